@@ -1,0 +1,45 @@
+"""Session-wide fixtures: tiny model folders and one redis-server.
+
+Only cheap, shared things live here. Engines are started by the test modules that
+need them (with tests/procs.py), so a run of unrelated tests never pays for one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from pdserve.deploy.cli import main as pdserve_main
+from procs import redis_url as _redis_url
+from procs import start_redis
+
+
+def _tiny_model(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    out = tmp_path_factory.mktemp(f"tiny-{arch}")
+    code = pdserve_main(["model", "tiny", "--arch", arch, "--out", str(out)])
+    assert code == 0, f"pdserve model tiny --arch {arch} returned {code}"
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder with config.json + tokenizer of a tiny DeepSeek-V3 (MLA, MoE); serve it with --load-format dummy."""
+    return _tiny_model(tmp_path_factory, "deepseek_v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder of a tiny Gemma-3 text model (sliding-window + full layers: two KV cache groups)."""
+    return _tiny_model(tmp_path_factory, "gemma3")
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of a session-private redis-server on a free port (never the machine's 6379)."""
+    proc = start_redis()
+    try:
+        yield _redis_url(proc)
+    finally:
+        proc.stop()

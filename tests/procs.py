@@ -1,0 +1,286 @@
+"""Start and stop the real processes that tests run against (redis, vLLM, pdserve services).
+
+Every test module uses these helpers, so they are generic: `start_process` runs any
+argv in its own session with its log in a file, waits until a readiness check passes,
+and raises with the log's tail if the process dies first. `Proc.stop()` kills the
+whole process group, because vLLM spawns an engine-core child that would otherwise
+outlive the test and eat one of the machine's two cores. An atexit hook stops
+whatever a crashed test left running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence, Union
+
+# Flags that make a tiny CPU engine start faster and stay small; measured in
+# tests/test_tiny_model.py's engine tests (see the report in the commit log).
+ENGINE_ARGS: tuple[str, ...] = (
+    "--max-model-len", "4096",
+    "--max-num-seqs", "8",
+    "--enforce-eager",
+)
+# VLLM_CPU_KVCACHE_SPACE is in GiB; the default (4 GiB a worker) is far more than tiny models need.
+ENGINE_ENV: dict[str, str] = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+ENGINE_START_TIMEOUT_S = 240.0
+
+Ready = Union[str, Callable[["Proc"], bool], None]
+
+_LIVE: list["Proc"] = []
+_LOG_DIR: Path | None = None
+
+
+def log_dir() -> Path:
+    """One temp folder a test session for all process logs, kept after exit for post-mortems."""
+    global _LOG_DIR
+    if _LOG_DIR is None:
+        _LOG_DIR = Path(tempfile.mkdtemp(prefix="pdserve-test-logs-"))
+    return _LOG_DIR
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; a race is possible but rare)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ProcessDied(RuntimeError):
+    """The process exited (or never became ready); the message carries its log's tail."""
+
+
+@dataclass
+class Proc:
+    """A started process: its port, base URL, log file, and a stop() that kills its whole group."""
+
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen
+    log_path: Path
+    port: int | None = None
+    host: str = "127.0.0.1"
+    started_at: float = field(default_factory=time.monotonic)
+    ready_after_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise ValueError(f"{self.name} was started without a port")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return text[-chars:]
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after `timeout`; idempotent. Returns the exit code."""
+        if self in _LIVE:
+            _LIVE.remove(self)
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Children (vLLM's engine core) may outlive a leader that exited on SIGTERM.
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.popen.returncode
+
+    def __enter__(self) -> "Proc":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True when GET url answers 2xx; any connection error or other status is False."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return 200 <= resp.status < 300
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def start_process(
+    argv: Sequence[str],
+    ready: Ready,
+    *,
+    name: str | None = None,
+    port: int | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 60.0,
+    poll_s: float = 0.25,
+) -> Proc:
+    """Start argv in a new session with output to a log file, and wait until `ready` holds.
+
+    `ready` is a URL (ready when GET answers 2xx), a callable taking the Proc, or None
+    (ready as soon as it started). `env` is added to the current environment. Raises
+    ProcessDied with the log tail if the process exits or `timeout` passes first; the
+    process is stopped in both cases so a failed start leaks nothing.
+    """
+    argv = [str(a) for a in argv]
+    name = name or Path(argv[0]).name
+    log_path = log_dir() / f"{name}-{port or 'noport'}-{time.time_ns()}.log"
+    full_env = {**os.environ, **(env or {})}
+    with open(log_path, "wb") as log:
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    proc = Proc(name=name, argv=argv, popen=popen, log_path=log_path, port=port)
+    _LIVE.append(proc)
+    check: Callable[[Proc], bool]
+    if ready is None:
+        check = lambda _p: True  # noqa: E731
+    elif isinstance(ready, str):
+        check = lambda _p, u=ready: http_ok(u)  # noqa: E731
+    else:
+        check = ready
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proc.alive():
+            code = proc.popen.returncode
+            proc.stop()
+            raise ProcessDied(f"{name} exited with code {code} before it was ready; log {log_path}:\n{proc.log_tail()}")
+        if check(proc):
+            proc.ready_after_s = time.monotonic() - proc.started_at
+            return proc
+        if time.monotonic() > deadline:
+            proc.stop()
+            raise ProcessDied(f"{name} not ready after {timeout:.0f} s; log {log_path}:\n{proc.log_tail()}")
+        time.sleep(poll_s)
+
+
+def start_redis(port: int | None = None) -> Proc:
+    """A throwaway redis-server on a free port: no persistence, ready when it answers PING."""
+    port = port or free_port()
+
+    def pong(_p: Proc) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return start_process(argv, pong, name="redis", port=port, timeout=30.0)
+
+
+def redis_url(proc: Proc, db: int = 0) -> str:
+    return f"redis://127.0.0.1:{proc.port}/{db}"
+
+
+def pdserve_argv(*words: str) -> list[str]:
+    """argv that runs `pdserve <words>` with this interpreter (no reliance on PATH or console scripts)."""
+    return [sys.executable, "-m", "pdserve.deploy.cli", *words]
+
+
+def start_vllm_server(
+    model_dir: str | os.PathLike,
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    engine_args: Sequence[str] = ENGINE_ARGS,
+    timeout: float = ENGINE_START_TIMEOUT_S,
+) -> Proc:
+    """vLLM's OpenAI server on a tiny random-weight model, ready when GET /health answers.
+
+    Uses `python -m vllm.entrypoints.openai.api_server` because the `vllm` console
+    script cannot find the `vllm-cpu` distribution's metadata.
+    """
+    port = port or free_port()
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--load-format", "dummy",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        *engine_args,
+        *extra_args,
+    ]
+    return start_process(
+        argv,
+        f"http://127.0.0.1:{port}/health",
+        name="vllm",
+        port=port,
+        env={**ENGINE_ENV, **(env or {})},
+        timeout=timeout,
+        poll_s=1.0,
+    )
+
+
+def process_tree_rss_bytes(pid: int) -> int:
+    """Resident memory of pid and all its descendants, read from /proc (Linux only)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    total, stack = 0, [pid]
+    page = os.sysconf("SC_PAGE_SIZE")
+    while stack:
+        current = stack.pop()
+        try:
+            rss_pages = int((Path("/proc") / str(current) / "statm").read_text().split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            rss_pages = 0
+        total += rss_pages * page
+        stack.extend(children.get(current, []))
+    return total
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for proc in list(_LIVE):
+        proc.stop(timeout=5.0)
