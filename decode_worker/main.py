@@ -1,0 +1,20 @@
+"""`pdserve decode`: a decode worker (vLLM's OpenAI server, PDServeConnector as kv_both).
+
+All behaviour lives in pdserve.deploy.worker; this module only fixes the role.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+from pdserve.deploy.worker import build_parser as _build_parser
+from pdserve.deploy.worker import run_worker
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return _build_parser("decode")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_worker("decode", argv)
