@@ -32,8 +32,12 @@ ENGINE_ARGS: tuple[str, ...] = (
     "--enforce-eager",
 )
 # VLLM_CPU_KVCACHE_SPACE is in GiB; the default (4 GiB a worker) is far more than tiny models need.
+# vLLM's default binding ("auto") pins every engine's worker to core 0 of this 2-core machine,
+# so a prefill and a decode engine would share one core: let the OS place one thread each.
 ENGINE_ENV: dict[str, str] = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",
@@ -65,6 +69,10 @@ def free_port() -> int:
 
 class ProcessDied(RuntimeError):
     """The process exited (or never became ready); the message carries its log's tail."""
+
+    def __init__(self, message: str, proc: "Proc") -> None:
+        super().__init__(message)
+        self.proc = proc
 
 
 @dataclass
@@ -187,13 +195,13 @@ def start_process(
         if not proc.alive():
             code = proc.popen.returncode
             proc.stop()
-            raise ProcessDied(f"{name} exited with code {code} before it was ready; log {log_path}:\n{proc.log_tail()}")
+            raise ProcessDied(f"{name} exited with code {code} before it was ready; log {log_path}:\n{proc.log_tail()}", proc)
         if check(proc):
             proc.ready_after_s = time.monotonic() - proc.started_at
             return proc
         if time.monotonic() > deadline:
             proc.stop()
-            raise ProcessDied(f"{name} not ready after {timeout:.0f} s; log {log_path}:\n{proc.log_tail()}")
+            raise ProcessDied(f"{name} not ready after {timeout:.0f} s; log {log_path}:\n{proc.log_tail()}", proc)
         time.sleep(poll_s)
 
 
