@@ -1,0 +1,483 @@
+"""KV store clients: `KVStoreClient` (blocking) and `AsyncKVStoreClient` (asyncio).
+
+Both run the same operations, written once as generators that yield the messages
+to send and receive the replies (`_Ops`); the two classes only drive them over a
+ZMQ DEALER socket, blocking or awaiting. A client is for one thread (or one event
+loop) at a time; the async client serialises its calls with a lock.
+
+Payloads move without extra copies: over TCP they leave as zero-copy frames and
+`get` returns views of the received frames; on the same host the client maps the
+server's L1 arena and copies each payload straight into the slot the server leased
+to it (or out of it), hashing each piece while it is still in cache. Every payload
+read is verified against the checksum its writer stored; a mismatch is reported
+to the server (which counts and drops the object) and answered as a miss.
+
+A timeout closes the socket (so a late reply can never be taken for the next
+one's) and raises KVStoreError naming the URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Generator, Sequence, TypeVar
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from pdserve.kvstore import protocol as p
+from pdserve.kvstore.checksum import byte_view, checksum, copy_with_checksum
+from pdserve.kvstore.layout import KVLayout
+from pdserve.kvstore.protocol import ServerInfo
+from pdserve.kvstore.shm import Arena, ArenaError
+
+__all__ = ["KVStoreClient", "AsyncKVStoreClient", "KVStoreError", "ServerInfo"]
+
+log = logging.getLogger(__name__)
+
+Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything exporting a contiguous buffer
+T = TypeVar("T")
+
+
+class KVStoreError(RuntimeError):
+    """Connection failure, timeout, or an error reply from the KV store."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class _Send:
+    """One message for the driver to send; `reply=False` for one-way messages."""
+
+    msg: p._Req
+    frames: list[memoryview] = field(default_factory=list)
+    reply: bool = True
+
+
+_Reply = tuple[p.Reply, list[zmq.Frame]]
+_Op = Generator[_Send, _Reply | None, T]
+
+
+def _expect(got: _Reply | None, kind: type[T], url: str) -> T:
+    assert got is not None
+    rep = got[0]
+    if isinstance(rep, p.Error):
+        raise KVStoreError(f"kvstore {url}: {rep.code}: {rep.message}", code=rep.code)
+    if not isinstance(rep, kind):
+        raise KVStoreError(f"kvstore {url}: expected a {kind.__name__} reply, got {type(rep).__name__}")
+    return rep
+
+
+def _fresh(size: int) -> memoryview:
+    """An uninitialised byte buffer (np.empty skips the zero fill a bytearray would pay)."""
+    return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+
+
+class _Ops:
+    """The protocol, as generators; shared by both clients."""
+
+    def __init__(self, url: str, auth_token: str | None, shm: bool | None) -> None:
+        if not url.startswith(("tcp://", "ipc://")):
+            raise KVStoreError(f"kvstore url must be tcp://host:port or ipc://path, got {url!r}")
+        self.url = url
+        self.token = auth_token
+        self.shm_mode = shm
+        self.server: ServerInfo | None = None
+        self.arena: Arena | None = None
+        self._ids = itertools.count(1)
+
+    def stamp(self, msg: p._Req) -> int:
+        msg.id = next(self._ids)
+        msg.token = self.token
+        return msg.id
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+
+    # ------------------------------------------------------------ setup
+
+    def info(self) -> _Op[ServerInfo]:
+        if self.server is None:
+            self.server = _expect((yield _Send(p.Info())), ServerInfo, self.url)
+            self._attach(self.server)
+        return self.server
+
+    def _attach(self, info: ServerInfo) -> None:
+        if self.shm_mode is False or not info.shm_path or not info.shm_nonce:
+            return
+        try:
+            self.arena = Arena.attach(info.shm_path, info.shm_nonce, info.shm_size)
+        except ArenaError as exc:
+            if self.shm_mode:
+                raise KVStoreError(f"kvstore {self.url}: shared memory requested but unusable: {exc}") from exc
+            log.debug("kvstore %s: using TCP frames (%s)", self.url, exc)
+
+    def register_layout(self, layout: KVLayout, namespace: str | None = None) -> _Op[str]:
+        rep = _expect((yield _Send(p.RegisterLayout(layout=layout, namespace=namespace))), p.Registered, self.url)
+        return rep.namespace
+
+    def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> _Op[int]:
+        msg = p.Lookup(ns=ns, groups=list(groups), keys=list(keys))
+        return _expect((yield _Send(msg)), p.LookupResult, self.url).count
+
+    def stats(self) -> _Op[dict]:
+        return _expect((yield _Send(p.Stats())), p.StatsReply, self.url).stats
+
+    def drop_tail(self, ns: str, request_id: str) -> _Op[None]:
+        _expect((yield _Send(p.DropTail(ns=ns, request_id=request_id))), p.Ok, self.url)
+
+    # ------------------------------------------------------------ put
+
+    def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> _Op[list[bool]]:
+        info = yield from self.info()
+        views = [byte_view(buf) for _, _, buf in items]
+        stored = [False] * len(items)
+        send = [i for i, v in enumerate(views) if len(v) <= info.max_object_bytes]
+        if len(send) < len(items):
+            log.warning("kvstore: %d objects larger than L1 (%d bytes) not sent", len(items) - len(send), info.max_object_bytes)
+        if not send:
+            return stored
+        if self.arena is not None:
+            metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in send]
+            reserved = _expect((yield _Send(p.Put(ns=ns, items=metas, shm=True))), p.Reserved, self.url)
+            _check_len(reserved.slots, metas, self.url)
+            filled = yield from self._fill([views[i] for i in send], reserved)
+            for i, ok in zip(send, filled):
+                stored[i] = ok
+            return stored
+        metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i]), checksum(views[i])) for i in send]
+        rep = _expect((yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in send])), p.Stored, self.url)
+        _check_len(rep.stored, metas, self.url)
+        for i, ok in zip(send, rep.stored):
+            stored[i] = ok
+        return stored
+
+    def _fill(self, views: list[memoryview], reserved: p.Reserved) -> _Op[list[bool]]:
+        """Copy payloads into their reserved arena slots, then commit them."""
+        assert self.arena is not None
+        leases: list[int] = []
+        sums: list[int] = []
+        for view, slot in zip(views, reserved.slots):
+            if slot is None:
+                continue
+            if slot.size != len(view):
+                raise KVStoreError(f"kvstore {self.url}: slot of {slot.size} bytes for a {len(view)}-byte payload")
+            sums.append(copy_with_checksum(self.arena.slice(slot.offset, slot.size), view))
+            leases.append(slot.lease)
+        stored = list(reserved.stored)
+        if leases:
+            rep = _expect((yield _Send(p.Commit(leases=leases, checksums=sums))), p.Stored, self.url)
+            _check_len(rep.stored, leases, self.url)
+            committed = iter(rep.stored)
+            stored = [next(committed) if slot is not None else ok for slot, ok in zip(reserved.slots, stored)]
+        return stored
+
+    def put_tail(
+        self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None
+    ) -> _Op[None]:
+        info = yield from self.info()
+        views = [byte_view(buf) for _, buf in items]
+        too_big = [len(v) for v in views if len(v) > info.max_object_bytes]
+        if too_big:
+            raise KVStoreError(f"kvstore {self.url}: tail of {max(too_big)} bytes exceeds L1 ({info.max_object_bytes})")
+        if self.arena is not None:
+            metas = [p.TailItem(g, len(v)) for (g, _), v in zip(items, views)]
+            msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s, shm=True)
+            reserved = _expect((yield _Send(msg)), p.Reserved, self.url)
+            _check_len(reserved.slots, metas, self.url)
+            if not all((yield from self._fill(views, reserved))):
+                raise KVStoreError(f"kvstore {self.url}: tail of request {request_id!r} expired before commit")
+            return
+        metas = [p.TailItem(g, len(v), checksum(v)) for (g, _), v in zip(items, views)]
+        msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s)
+        _expect((yield _Send(msg, views)), p.Ok, self.url)
+
+    # ------------------------------------------------------------ get
+
+    def get(
+        self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None
+    ) -> _Op[list[memoryview | None]]:
+        yield from self.info()
+        if out is not None and len(out) != len(items):
+            raise KVStoreError(f"{len(out)} output buffers for {len(items)} items")
+        msg = p.Get(ns=ns, items=[p.ItemRef(g, k) for g, k in items], shm=self.arena is not None)
+        got = yield _Send(msg)
+        rep = _expect(got, p.Loaded, self.url)
+        _check_len(rep.items, items, self.url)
+        keys = [(ns, g, k) for g, k in items]
+        return (yield from self._receive(rep.items, keys, got[1], out))
+
+    def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> _Op[dict[int, memoryview] | None]:
+        yield from self.info()
+        got = yield _Send(p.GetTail(ns=ns, request_id=request_id, shm=self.arena is not None))
+        rep = _expect(got, p.TailLoaded, self.url)
+        if not rep.found:
+            return None
+        _check_len(rep.items, rep.groups, self.url)
+        outs = None if out is None else [out[g] for g in rep.groups]
+        views = yield from self._receive(list(rep.items), [(ns, g, b"") for g in rep.groups], got[1], outs)
+        if any(v is None for v in views):
+            return None
+        return dict(zip(rep.groups, views))
+
+    def _receive(
+        self,
+        found: Sequence[p.Found | None],
+        keys: Sequence[tuple[str, int, bytes]],
+        frames: list[zmq.Frame],
+        out: Sequence[Buffer] | None,
+    ) -> _Op[list[memoryview | None]]:
+        """Turn found items into verified views; release shm leases and report corrupt payloads."""
+        shm = any(f is not None and f.offset >= 0 for f in found)
+        n_found = sum(f is not None for f in found)
+        if not shm and len(frames) != n_found:
+            raise KVStoreError(f"kvstore {self.url}: {n_found} objects found but {len(frames)} payload frames")
+        frame_iter = iter(frames)
+        results: list[memoryview | None] = []
+        leases: list[int] = []
+        corrupt: list[p.Corrupt] = []
+        for i, f in enumerate(found):
+            if f is None:
+                results.append(None)
+                continue
+            if shm:
+                assert self.arena is not None
+                src = self.arena.slice(f.offset, f.size)
+                leases.append(f.lease)
+            else:
+                src = next(frame_iter).buffer
+                if len(src) != f.size:
+                    raise KVStoreError(f"kvstore {self.url}: frame of {len(src)} bytes for a {f.size}-byte object")
+            if out is not None:
+                dst = byte_view(out[i])
+                if len(dst) < f.size:
+                    raise KVStoreError(f"output buffer {i} holds {len(dst)} bytes, object has {f.size}")
+                dst = dst[: f.size]
+                ok = copy_with_checksum(dst, src) == f.checksum
+            elif shm:
+                dst = _fresh(f.size)
+                ok = copy_with_checksum(dst, src) == f.checksum
+            else:
+                dst, ok = src, checksum(src) == f.checksum
+            if not ok:
+                ns, group, key = keys[i]
+                corrupt.append(p.Corrupt(ns, group, key, f.obj))
+                log.warning("kvstore %s: checksum mismatch on %s/%d, treated as a miss", self.url, ns, group)
+            results.append(dst if ok else None)
+        if leases or corrupt:
+            yield _Send(p.Release(leases=leases, corrupt=corrupt), reply=False)
+        return results
+
+
+def _check_len(got: Sequence, want: Sequence, url: str) -> None:
+    if len(got) != len(want):
+        raise KVStoreError(f"kvstore {url}: reply has {len(got)} items for {len(want)} requested")
+
+
+def _new_socket(ctx: zmq.Context, url: str, timeout_s: float) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.connect(url)
+    return sock
+
+
+class KVStoreClient:
+    """Blocking client; see the module docstring. Not for concurrent use from several threads."""
+
+    def __init__(
+        self, url: str = "tcp://127.0.0.1:5556", auth_token: str | None = None, timeout_s: float = 30.0,
+        shm: bool | None = None,
+    ) -> None:
+        self._ops = _Ops(url, auth_token, shm)
+        self.url = url
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+
+    # ---- driver
+
+    def _run(self, op: _Op[T]) -> T:
+        try:
+            step = next(op)
+            while True:
+                step = op.send(self._exchange(step))
+        except StopIteration as done:
+            return done.value
+
+    def _exchange(self, step: _Send) -> _Reply | None:
+        if self._sock is None:
+            self._sock = _new_socket(self._ctx, self.url, self.timeout_s)
+        sock = self._sock
+        req_id = self._ops.stamp(step.msg)
+        try:
+            sock.send_multipart([p.encode(step.msg), *step.frames], copy=False)
+            if not step.reply:
+                return None
+            deadline_ms = int(self.timeout_s * 1000)
+            while True:
+                if not sock.poll(deadline_ms):
+                    raise zmq.Again()
+                frames = sock.recv_multipart(copy=False)
+                rep = p.decode_reply(frames[0].buffer)
+                if rep.id == req_id:
+                    return rep, frames[1:]
+        except zmq.Again:
+            self._reset()
+            raise KVStoreError(f"kvstore {self.url}: no reply within {self.timeout_s:g} s (is the server running?)") from None
+        except (zmq.ZMQError, msgspec.MsgspecError) as exc:
+            self._reset()
+            raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    # ---- API
+
+    def info(self) -> ServerInfo:
+        return self._run(self._ops.info())
+
+    def register_layout(self, layout: KVLayout, namespace: str | None = None) -> str:
+        return self._run(self._ops.register_layout(layout, namespace))
+
+    def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> int:
+        return self._run(self._ops.lookup(ns, keys, groups))
+
+    def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> list[bool]:
+        return self._run(self._ops.put(ns, items))
+
+    def get(self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None) -> list[memoryview | None]:
+        """`out`: optional destination buffers (one per item, at least the object's size) to load into."""
+        return self._run(self._ops.get(ns, items, out))
+
+    def put_tail(self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None) -> None:
+        return self._run(self._ops.put_tail(ns, request_id, items, ttl_s))
+
+    def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> dict[int, memoryview] | None:
+        return self._run(self._ops.get_tail(ns, request_id, out))
+
+    def drop_tail(self, ns: str, request_id: str) -> None:
+        return self._run(self._ops.drop_tail(ns, request_id))
+
+    def stats(self) -> dict:
+        return self._run(self._ops.stats())
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._ops.arena is not None
+
+    def close(self) -> None:
+        self._reset()
+        self._ops.close()
+
+    def __enter__(self) -> "KVStoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncKVStoreClient:
+    """asyncio client with the same methods as coroutines; concurrent calls on one client are serialised."""
+
+    def __init__(
+        self, url: str = "tcp://127.0.0.1:5556", auth_token: str | None = None, timeout_s: float = 30.0,
+        shm: bool | None = None,
+    ) -> None:
+        self._ops = _Ops(url, auth_token, shm)
+        self.url = url
+        self.timeout_s = timeout_s
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._lock = asyncio.Lock()
+
+    async def _run(self, op: _Op[T]) -> T:
+        async with self._lock:
+            try:
+                step = next(op)
+                while True:
+                    step = op.send(await self._exchange(step))
+            except StopIteration as done:
+                return done.value
+
+    async def _exchange(self, step: _Send) -> _Reply | None:
+        if self._sock is None:
+            self._sock = _new_socket(self._ctx, self.url, self.timeout_s)
+        sock = self._sock
+        req_id = self._ops.stamp(step.msg)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await sock.send_multipart([p.encode(step.msg), *step.frames], copy=False)
+                if not step.reply:
+                    return None
+                while True:
+                    frames = await sock.recv_multipart(copy=False)
+                    rep = p.decode_reply(frames[0].buffer)
+                    if rep.id == req_id:
+                        return rep, frames[1:]
+        except (TimeoutError, zmq.Again):
+            self._reset()
+            raise KVStoreError(f"kvstore {self.url}: no reply within {self.timeout_s:g} s (is the server running?)") from None
+        except (zmq.ZMQError, msgspec.MsgspecError) as exc:
+            self._reset()
+            raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def info(self) -> ServerInfo:
+        return await self._run(self._ops.info())
+
+    async def register_layout(self, layout: KVLayout, namespace: str | None = None) -> str:
+        return await self._run(self._ops.register_layout(layout, namespace))
+
+    async def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> int:
+        return await self._run(self._ops.lookup(ns, keys, groups))
+
+    async def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> list[bool]:
+        return await self._run(self._ops.put(ns, items))
+
+    async def get(
+        self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None
+    ) -> list[memoryview | None]:
+        return await self._run(self._ops.get(ns, items, out))
+
+    async def put_tail(
+        self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None
+    ) -> None:
+        return await self._run(self._ops.put_tail(ns, request_id, items, ttl_s))
+
+    async def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> dict[int, memoryview] | None:
+        return await self._run(self._ops.get_tail(ns, request_id, out))
+
+    async def drop_tail(self, ns: str, request_id: str) -> None:
+        return await self._run(self._ops.drop_tail(ns, request_id))
+
+    async def stats(self) -> dict:
+        return await self._run(self._ops.stats())
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._ops.arena is not None
+
+    async def close(self) -> None:
+        self._reset()
+        self._ops.close()
+
+    async def __aenter__(self) -> "AsyncKVStoreClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

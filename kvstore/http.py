@@ -1,0 +1,48 @@
+"""HTTP side door of the KV store: /health, /metrics (Prometheus), /stats (JSON).
+
+A small threaded http.server in its own thread: it only reads the metrics
+registry, so it never touches store state owned by the ZMQ thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pdserve.kvstore.metrics import Metrics
+
+
+def start_http(host: str, port: int, metrics: Metrics, info: Callable[[], dict]) -> ThreadingHTTPServer:
+    """Serve in a daemon thread; `info()` adds static facts (capacity, version) to /stats."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            path = self.path.split("?", 1)[0]
+            if path == "/health":
+                self._reply(200, "application/json", b'{"status":"ok"}')
+            elif path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, metrics.prometheus())
+            elif path == "/stats":
+                body = json.dumps({**info(), "metrics": metrics.snapshot()}).encode()
+                self._reply(200, "application/json", body)
+            else:
+                self._reply(404, "application/json", b'{"error":"not found"}')
+
+        def _reply(self, status: int, ctype: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # quiet: scraped every few seconds
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="kvstore-http", daemon=True).start()
+    return server

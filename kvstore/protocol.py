@@ -1,0 +1,276 @@
+"""The KV store wire protocol: msgspec structs, independent of the transport.
+
+A message is a ZMQ multipart: one msgpack header (a tagged-union struct below,
+tag field "op") followed by zero or more payload frames, one per item that carries
+bytes. Nothing on the wire is ever unpickled. Payloads either travel as frames
+(TCP) or stay in the server's shared-memory arena (same host): the header then
+carries lease ids and arena offsets that the server chose, never sizes or offsets
+it would trust from a client.
+
+Putting through shared memory takes two round trips: `Put(shm=True)` reserves
+arena space and answers `Reserved`; the client copies the payloads in and sends
+`Commit` with their checksums. Reading through shared memory leases the objects
+(`Get(shm=True)` answers offsets); the client copies them out and sends a one-way
+`Release`, which also reports payloads whose checksum did not match.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Union
+
+import msgspec
+
+from pdserve.kvstore.layout import KVLayout
+
+PROTOCOL_VERSION = 1
+MAX_ITEMS = 65536  # items in one batch
+MAX_KEY_BYTES = 64
+MAX_GROUP = 1023
+MAX_HEADER_BYTES = 16 << 20
+NAMESPACE_RE = re.compile(r"^[0-9A-Za-z_-][0-9A-Za-z_.-]{0,127}$")
+REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
+
+
+class _Req(msgspec.Struct, tag_field="op", kw_only=True):
+    id: int = 0  # echoed in the reply so a client can drop stale replies
+    token: str | None = None
+
+
+class _Rep(msgspec.Struct, tag_field="op", kw_only=True):
+    id: int = 0
+
+
+# ---------------------------------------------------------------- items
+
+
+class ItemMeta(msgspec.Struct, array_like=True):
+    """One object to put: its payload is the next frame (TCP) or is written after `Reserved` (shm)."""
+
+    group: int
+    key: bytes
+    size: int
+    checksum: int = 0  # xxh3-64 of the payload; sent in `Commit` on the shm path
+
+
+class ItemRef(msgspec.Struct, array_like=True):
+    """One object to get."""
+
+    group: int
+    key: bytes
+
+
+class TailItem(msgspec.Struct, array_like=True):
+    """One group's partial last chunk."""
+
+    group: int
+    size: int
+    checksum: int = 0
+
+
+class Found(msgspec.Struct, array_like=True):
+    """An object in a reply: frame order (TCP) or an arena slice under a lease (shm)."""
+
+    obj: int  # object id, for reporting a checksum mismatch
+    size: int
+    checksum: int
+    lease: int = 0  # shm only: release after copying out
+    offset: int = -1  # shm only: byte offset in the arena
+
+
+class Slot(msgspec.Struct, array_like=True):
+    """A reserved arena slice for the client to fill (shm put)."""
+
+    lease: int
+    offset: int
+    size: int
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Info(_Req, tag="info"):
+    pass
+
+
+class RegisterLayout(_Req, tag="register"):
+    layout: KVLayout
+    namespace: str | None = None
+
+
+class Lookup(_Req, tag="lookup"):
+    ns: str
+    groups: list[int]
+    keys: list[bytes]
+
+
+class Put(_Req, tag="put"):
+    ns: str
+    items: list[ItemMeta]
+    shm: bool = False
+
+
+class PutTail(_Req, tag="put_tail"):
+    ns: str
+    request_id: str
+    items: list[TailItem]
+    ttl_s: float | None = None
+    shm: bool = False
+
+
+class Commit(_Req, tag="commit"):
+    """Second half of a shm put: the reserved slots are filled; checksums in slot order."""
+
+    leases: list[int]
+    checksums: list[int]
+
+
+class Get(_Req, tag="get"):
+    ns: str
+    items: list[ItemRef]
+    shm: bool = False
+
+
+class GetTail(_Req, tag="get_tail"):
+    ns: str
+    request_id: str
+    shm: bool = False
+
+
+class DropTail(_Req, tag="drop_tail"):
+    ns: str
+    request_id: str
+
+
+class Corrupt(msgspec.Struct, array_like=True):
+    """A payload whose checksum did not match on the client; `obj` guards against removing a newer copy."""
+
+    ns: str
+    group: int
+    key: bytes  # empty for a tail
+    obj: int
+
+
+class Release(_Req, tag="release"):
+    """One-way (no reply): end shm read leases, report payloads whose checksum did not match."""
+
+    leases: list[int] = []
+    corrupt: list[Corrupt] = []
+
+
+class Stats(_Req, tag="stats"):
+    pass
+
+
+Request = Union[Info, RegisterLayout, Lookup, Put, PutTail, Commit, Get, GetTail, DropTail, Release, Stats]
+
+# ---------------------------------------------------------------- replies
+
+
+class ServerInfo(_Rep, tag="info"):
+    version: str
+    protocol: int
+    chunk_size: int
+    l1_bytes: int
+    max_object_bytes: int  # larger payloads are refused
+    max_items: int = MAX_ITEMS
+    shm_path: str | None = None  # the arena, for same-host clients
+    shm_nonce: str | None = None  # proves the client mapped this server's arena
+    shm_size: int = 0
+
+
+class Error(_Rep, tag="error"):
+    code: str  # "bad_request", "unauthorized", "conflict", "not_found", "internal"
+    message: str
+
+
+class Ok(_Rep, tag="ok"):
+    pass
+
+
+class Registered(_Rep, tag="registered"):
+    namespace: str
+
+
+class LookupResult(_Rep, tag="lookup"):
+    count: int
+
+
+class Stored(_Rep, tag="stored"):
+    stored: list[bool]
+    errors: list[str | None]  # why an item was refused
+
+
+class Reserved(_Rep, tag="reserved"):
+    """Per item: a slot to fill, or None with `stored` saying present (True) or refused (False)."""
+
+    slots: list[Slot | None]
+    stored: list[bool]
+    errors: list[str | None]
+
+
+class Loaded(_Rep, tag="loaded"):
+    """Per item: found or None (miss); TCP payload frames follow in order of the found items."""
+
+    items: list[Found | None]
+
+
+class TailLoaded(_Rep, tag="tail"):
+    groups: list[int]  # empty list with found=False: no such tail
+    items: list[Found]
+    found: bool = True
+
+
+class StatsReply(_Rep, tag="stats"):
+    stats: dict[str, float]
+
+
+Reply = Union[ServerInfo, Error, Ok, Registered, LookupResult, Stored, Reserved, Loaded, TailLoaded, StatsReply]
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes | memoryview) -> Request:
+    """Raises msgspec.ValidationError / DecodeError on garbage or unknown ops."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise msgspec.DecodeError(f"header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
+    return _request_decoder.decode(data)
+
+
+def decode_reply(data: bytes | memoryview) -> Reply:
+    return _reply_decoder.decode(data)
+
+
+class BadRequest(ValueError):
+    """A well-formed message with values the server will not act on."""
+
+
+def check_namespace(ns: str) -> None:
+    if not NAMESPACE_RE.match(ns):
+        raise BadRequest(f"invalid namespace {ns[:80]!r}: expected 1-128 of [0-9A-Za-z_.-]")
+
+
+def check_items(n: int) -> None:
+    if n > MAX_ITEMS:
+        raise BadRequest(f"{n} items in one batch exceeds {MAX_ITEMS}")
+
+
+def check_group(group: int) -> None:
+    if not 0 <= group <= MAX_GROUP:
+        raise BadRequest(f"object group {group} out of range 0..{MAX_GROUP}")
+
+
+def check_key(key: bytes) -> None:
+    if not 0 < len(key) <= MAX_KEY_BYTES:
+        raise BadRequest(f"chunk key of {len(key)} bytes: expected 1..{MAX_KEY_BYTES}")
+
+
+def check_request_id(request_id: str) -> None:
+    if not REQUEST_ID_RE.match(request_id):
+        raise BadRequest(f"invalid request id {request_id[:80]!r}: expected 1-256 printable ASCII characters")

@@ -1,0 +1,82 @@
+"""`pdserve kvstore`: run the KV store (ZMQ on --port, HTTP on --http-port).
+
+Wiring only: configuration, metrics, the store, the HTTP thread and the ZMQ loop
+in the main thread until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Sequence
+
+import zmq
+
+from pdserve import __version__
+from pdserve.kvstore.config import KVStoreConfig, build_parser, from_args
+from pdserve.kvstore.http import start_http
+from pdserve.kvstore.metrics import Metrics
+from pdserve.kvstore.shm import ArenaError
+from pdserve.kvstore.store import Store
+from pdserve.kvstore.transport import ZmqServer
+
+__all__ = ["build_parser", "main", "run"]
+
+log = logging.getLogger("pdserve.kvstore")
+
+
+def _static_info(cfg: KVStoreConfig) -> dict:
+    return {
+        "version": __version__,
+        "chunk_size": cfg.chunk_size,
+        "l1_bytes": cfg.l1_bytes,
+        "l2_bytes": cfg.l2_bytes,
+        "l2_path": str(cfg.l2_path) if cfg.l2_path else None,
+    }
+
+
+def run(cfg: KVStoreConfig, stop: threading.Event) -> None:
+    """Serve until `stop` is set."""
+    metrics = Metrics()
+    store = Store(cfg, metrics)
+    try:
+        zmq_server = ZmqServer(cfg, store, metrics)
+    except Exception:
+        store.close()
+        raise
+    http = None
+    if cfg.http_port:
+        http = start_http(cfg.host, cfg.http_port, metrics, lambda: _static_info(cfg))
+        log.info("kvstore HTTP on http://%s:%d", cfg.host, cfg.http_port)
+    try:
+        zmq_server.serve(stop)
+    finally:
+        if http is not None:
+            http.shutdown()
+        zmq_server.close()
+        store.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = from_args(args)
+    except ValueError as exc:
+        print(f"pdserve kvstore: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        run(cfg, stop)
+    except (ArenaError, OSError, zmq.ZMQError) as exc:
+        print(f"pdserve kvstore: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

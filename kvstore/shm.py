@@ -1,0 +1,113 @@
+"""The L1 arena: one file in /dev/shm that the server and same-host clients map.
+
+L1 objects live in this arena, so a same-host client moves a payload with one
+memcpy each way (straight into or out of the slice the server leased to it) instead
+of a copy into a staging buffer plus a copy into the store. The first page holds a
+random nonce: a client that can open the path but reads another nonce (another
+container's /dev/shm, a stale file) falls back to TCP frames. The file is reserved
+up front with posix_fallocate so a full /dev/shm is a clear start-up error rather
+than a SIGBUS in the middle of a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+HEADER_BYTES = 4096
+_MAGIC = b"pdserve-kv-arena\0"
+_NAME_RE = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]+$")
+
+
+class ArenaError(RuntimeError):
+    pass
+
+
+class Arena:
+    """A shared (or, without /dev/shm, private) mapping whose data area starts after a header page."""
+
+    def __init__(self, mm: mmap.mmap, size: int, path: Path | None, nonce: str, owner: bool) -> None:
+        self._mm = mm
+        self.size = size  # bytes of the data area
+        self.path = path
+        self.nonce = nonce
+        self._owner = owner
+        self.view = memoryview(mm)[HEADER_BYTES : HEADER_BYTES + size]
+
+    @classmethod
+    def create(cls, size: int, shared: bool = True) -> "Arena":
+        """Server side: a fresh arena of `size` data bytes; private anonymous memory when not `shared`."""
+        nonce = secrets.token_hex(16)
+        total = HEADER_BYTES + size
+        if not shared or not SHM_DIR.is_dir():
+            mm = mmap.mmap(-1, total)
+            return cls(mm, size, None, nonce, owner=True)
+        cleanup_stale()
+        path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                raise ArenaError(
+                    f"cannot reserve {total / 2**30:.2f} GiB in {SHM_DIR} ({exc.strerror}); "
+                    "lower --l1-size-gb or enlarge /dev/shm (docker: --shm-size)"
+                ) from exc
+            mm = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        mm[: len(_MAGIC) + 32] = _MAGIC + nonce.encode()
+        return cls(mm, size, path, nonce, owner=True)
+
+    @classmethod
+    def attach(cls, path: str, nonce: str, size: int) -> "Arena":
+        """Client side: map the server's arena; raises ArenaError unless it is that server's arena."""
+        if not _NAME_RE.match(Path(path).name) or Path(path).parent != SHM_DIR:
+            raise ArenaError(f"refusing to map {path!r}: not a pdserve arena under {SHM_DIR}")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise ArenaError(f"cannot open {path}: {exc.strerror}") from exc
+        try:
+            total = os.fstat(fd).st_size
+            if total != HEADER_BYTES + size:
+                raise ArenaError(f"{path} has {total} bytes, server announced {HEADER_BYTES + size}")
+            mm = mmap.mmap(fd, total)
+        finally:
+            os.close(fd)
+        if mm[: len(_MAGIC) + 32] != _MAGIC + nonce.encode():
+            mm.close()
+            raise ArenaError(f"{path} belongs to another server (nonce mismatch)")
+        return cls(mm, size, Path(path), nonce, owner=False)
+
+    def slice(self, offset: int, size: int) -> memoryview:
+        """A bounds-checked view of [offset, offset+size) of the data area."""
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise ArenaError(f"slice [{offset}, {offset + size}) outside the {self.size}-byte arena")
+        return self.view[offset : offset + size]
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self._mm.close()
+        except BufferError:  # a view is still exported (e.g. a frame in flight); the OS unmaps at exit
+            log.debug("arena still referenced at close")
+        if self._owner and self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def cleanup_stale() -> None:
+    """Remove arenas left by servers that died without unlinking them (they hold RAM until removed)."""
+    for entry in SHM_DIR.iterdir():
+        m = _NAME_RE.match(entry.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            log.info("removing stale arena %s", entry)
+            entry.unlink(missing_ok=True)

@@ -1,0 +1,188 @@
+"""The ZMQ side of the server: one ROUTER socket, one thread, a poll loop.
+
+Each message is [client identity, msgpack header, payload frames...]. Loads are
+sent straight from the arena (copy=False) and their objects stay leased until ZMQ
+reports the frames sent. A message larger than the largest object plus a header
+is cut off by ZMQ itself (MAXMSGSIZE drops the connection); anything else that
+cannot be decoded or acted on gets an `Error` reply, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from typing import Callable
+
+import msgspec
+import zmq
+
+from pdserve import __version__
+from pdserve.kvstore import protocol as p
+from pdserve.kvstore.config import KVStoreConfig
+from pdserve.kvstore.metrics import Metrics
+from pdserve.kvstore.store import Conflict, Loaded, NoRoom, Store
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 200  # upkeep (tail TTLs, lease deadlines) runs at least this often
+_BATCH = 64  # messages handled between upkeep checks when busy
+
+Handler = Callable[[p.Request, list[memoryview]], tuple[msgspec.Struct, Loaded | None]]
+
+
+class ZmqServer:
+    def __init__(self, cfg: KVStoreConfig, store: Store, metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.metrics = metrics
+        self.ctx = zmq.Context(io_threads=1)
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, store.max_object_bytes + p.MAX_HEADER_BYTES)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a reply; leases bound what is in flight
+        self.sock.bind(cfg.zmq_url)
+        self._in_flight: list[tuple[zmq.MessageTracker, list[int]]] = []
+        self._token = cfg.auth_token.encode() if cfg.auth_token else None
+        self._handlers: dict[type, Handler] = {
+            p.Info: self._info,
+            p.RegisterLayout: lambda r, f: (p.Registered(namespace=store.register(r.layout, r.namespace)), None),
+            p.Lookup: lambda r, f: (p.LookupResult(count=store.lookup(r.ns, r.groups, r.keys)), None),
+            p.Put: self._put,
+            p.PutTail: self._put_tail,
+            p.Commit: self._commit,
+            p.Get: self._get,
+            p.GetTail: self._get_tail,
+            p.DropTail: lambda r, f: (store.drop_tail(r.ns, r.request_id) or p.Ok(), None),
+            p.Stats: lambda r, f: (p.StatsReply(stats=self.metrics.snapshot()), None),
+        }
+
+    # ------------------------------------------------------------ loop
+
+    def serve(self, stop: threading.Event) -> None:
+        log.info("kvstore listening on %s", self.cfg.zmq_url)
+        while not stop.is_set():
+            timeout = 5 if self._in_flight else POLL_MS
+            if self.sock.poll(timeout):
+                for _ in range(_BATCH):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            self._reap_sent()
+            self.store.expire()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    def _reap_sent(self) -> None:
+        if not self._in_flight:
+            return
+        pending = []
+        for tracker, leases in self._in_flight:
+            if tracker.done:
+                self.store.release(leases)
+            else:
+                pending.append((tracker, leases))
+        self._in_flight = pending
+
+    # ------------------------------------------------------------ one message
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0]
+        req_id = 0
+        try:
+            if len(frames) < 2:
+                raise p.BadRequest("empty message")
+            req = p.decode_request(frames[1].buffer)
+            req_id = req.id
+            self.metrics.requests.labels(req.__struct_config__.tag).inc()
+            if self._token is not None and not hmac.compare_digest((req.token or "").encode(), self._token):
+                if isinstance(req, p.Release):
+                    return
+                self._error(ident, req_id, "unauthorized", "missing or wrong auth token")
+                return
+            if isinstance(req, p.Release):  # one-way
+                self.store.release(req.leases, req.corrupt)
+                return
+            reply, loaded = self._handlers[type(req)](req, [f.buffer for f in frames[2:]])
+        except (msgspec.DecodeError, msgspec.ValidationError, p.BadRequest) as exc:
+            self._error(ident, req_id, "bad_request", str(exc))
+            return
+        except Conflict as exc:
+            self._error(ident, req_id, "conflict", str(exc))
+            return
+        except NoRoom as exc:
+            self._error(ident, req_id, "no_room", str(exc))
+            return
+        except Exception as exc:  # a bug must not take the store down with it
+            log.exception("internal error")
+            self._error(ident, req_id, "internal", f"{type(exc).__name__}: {exc}")
+            return
+        reply.id = req_id
+        self._send(ident, reply, loaded)
+
+    def _send(self, ident: zmq.Frame, reply: msgspec.Struct, loaded: Loaded | None) -> None:
+        header = p.encode(reply)
+        if loaded is None or loaded.shm or not loaded.leases:  # shm leases end on Release
+            self.sock.send_multipart([ident, header], copy=False)
+            return
+        payload = [zmq.Frame(self.store.l1.view(obj), track=True) for obj in loaded.objs]
+        self.sock.send_multipart([ident, header, *payload], copy=False)
+        self._in_flight.append((zmq.MessageTracker(*payload), loaded.leases))
+
+    def _error(self, ident: zmq.Frame, req_id: int, code: str, message: str) -> None:
+        self.metrics.errors.labels(code).inc()
+        log.debug("error reply %s: %s", code, message)
+        self.sock.send_multipart([ident, p.encode(p.Error(id=req_id, code=code, message=message))], copy=False)
+
+    # ------------------------------------------------------------ ops
+
+    def _info(self, req: p.Info, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+        arena = self.store.arena
+        return (
+            p.ServerInfo(
+                version=__version__,
+                protocol=p.PROTOCOL_VERSION,
+                chunk_size=self.cfg.chunk_size,
+                l1_bytes=self.store.l1.capacity,
+                max_object_bytes=self.store.max_object_bytes,
+                shm_path=str(arena.path) if arena.path else None,
+                shm_nonce=arena.nonce if arena.path else None,
+                shm_size=arena.size,
+            ),
+            None,
+        )
+
+    def _put(self, req: p.Put, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+        if req.shm:
+            if frames:
+                raise p.BadRequest("a shared-memory put carries no payload frames")
+            return self.store.reserve(req.ns, req.items), None
+        stored, errors = self.store.put_frames(req.ns, req.items, frames)
+        return p.Stored(stored=stored, errors=errors), None
+
+    def _put_tail(self, req: p.PutTail, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+        if req.shm:
+            if frames:
+                raise p.BadRequest("a shared-memory put carries no payload frames")
+            return self.store.reserve_tail(req.ns, req.request_id, req.items, req.ttl_s), None
+        self.store.put_tail_frames(req.ns, req.request_id, req.items, frames, req.ttl_s)
+        return p.Ok(), None
+
+    def _commit(self, req: p.Commit, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+        stored, errors = self.store.commit(req.leases, req.checksums)
+        return p.Stored(stored=stored, errors=errors), None
+
+    def _get(self, req: p.Get, frames: list[memoryview]) -> tuple[msgspec.Struct, Loaded]:
+        loaded = self.store.get(req.ns, req.items, req.shm)
+        return p.Loaded(items=loaded.found), loaded
+
+    def _get_tail(self, req: p.GetTail, frames: list[memoryview]) -> tuple[msgspec.Struct, Loaded | None]:
+        found = self.store.get_tail(req.ns, req.request_id, req.shm)
+        if found is None:
+            return p.TailLoaded(groups=[], items=[], found=False), None
+        groups, loaded = found
+        return p.TailLoaded(groups=groups, items=[f for f in loaded.found if f is not None]), loaded
