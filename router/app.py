@@ -1,0 +1,200 @@
+"""`pdserve router`: the OpenAI-compatible front door of a P/D stack (FastAPI + uvicorn).
+
+The app is a thin HTTP shell: it checks what must be checked before any worker is
+bothered (auth, size, JSON shape, model), then hands the request to `PDFlow`.
+Everything stateful lives in one `Router` object created in the lifespan, so a
+test can run several routers in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pdserve.router.config import RouterConfig, build_parser, config_from_args
+from pdserve.router.discovery import MembershipWatcher, WorkerRecord
+from pdserve.router.errors import RouterError
+from pdserve.router.health import HealthChecker
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pd_flow import Call, PDFlow, Route
+from pdserve.router.policies import make_policy
+from pdserve.router.pool import Pool
+from pdserve.router.requests import read_body, validate
+from pdserve.router.store import StoreView
+from pdserve.router.tokens import PromptTokens
+
+__all__ = ["build_parser", "create_app", "main"]
+
+log = logging.getLogger("pdserve.router")
+
+
+class Router:
+    """All state of one running router; built and torn down by the app's lifespan."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.prefill = Pool("prefill", cfg, self.metrics)
+        self.decode = Pool("decode", cfg, self.metrics)
+        self.prefill.add_static(cfg.prefill_urls)
+        self.decode.add_static(cfg.decode_urls)
+        self.worker_headers = {"Content-Type": "application/json"}
+        if cfg.api_key:
+            self.worker_headers["Authorization"] = f"Bearer {cfg.api_key}"
+        # Admission is bounded by the pools, so the client itself sets no connection cap;
+        # trust_env=False: a proxy from the environment must never sit between router and workers.
+        self.http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512), trust_env=False
+        )
+        self.health = HealthChecker((self.prefill, self.decode), self.http, self.worker_headers, cfg.health_interval)
+        self.tokens = PromptTokens(self.http, self.worker_headers, cfg.tokenizer)
+        self.store = StoreView()
+        self.flow = PDFlow(
+            cfg, self.prefill, self.decode, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy),
+            self.http, self.tokens, self.store, self.metrics, self.worker_headers,
+        )
+        self.watcher = (
+            MembershipWatcher(cfg.redis_url, self._on_membership, model=cfg.model) if cfg.redis_url else None
+        )
+
+    async def _on_membership(self, records: dict[str, WorkerRecord]) -> None:
+        for pool in (self.prefill, self.decode):
+            self.health.check_soon(pool, pool.sync_redis(records.values()))
+        if self.prefill.workers:
+            for rec in records.values():
+                self.tokens.prepare(rec.model)
+
+    async def start(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.start()
+        await self.health.start()
+        if self.prefill.workers:  # token counts are needed only to decide about a prefill leg
+            self.tokens.prepare(self.cfg.model)
+            for card in self.decode.model_cards() + self.prefill.model_cards():
+                self.tokens.prepare(str(card.get("id")))
+        log.info("router ready: %d prefill, %d decode workers", len(self.prefill.workers), len(self.decode.workers))
+
+    async def stop(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+        await self.health.stop()
+        await self.flow.drain()
+        await self.tokens.stop()
+        await self.store.close()
+        await self.http.aclose()
+
+    def ready(self) -> bool:
+        return bool(self.decode.candidates(None))
+
+
+def _authorized(router: Router, request: Request) -> bool:
+    if not router.cfg.api_key:
+        return True
+    return request.headers.get("authorization", "") == f"Bearer {router.cfg.api_key}"
+
+
+def create_app(cfg: RouterConfig) -> FastAPI:
+    router = Router(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = router
+
+    def counted(route: str, resp: Response) -> Response:
+        if not isinstance(resp, StreamingResponse):  # a stream counts its own outcome when it ends
+            router.metrics.requests.labels(route, str(resp.status_code)).inc()
+        return resp
+
+    @app.exception_handler(RouterError)
+    async def _router_error(_request: Request, exc: RouterError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        return RouterError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, exc: RequestValidationError) -> Response:
+        return RouterError(400, str(exc.errors())).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error")
+        return RouterError(500, f"internal router error: {exc!r}").response()
+
+    async def completion(route: Route, request: Request) -> Response:
+        try:
+            if not _authorized(router, request):
+                raise RouterError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+            raw = await read_body(request, cfg.max_request_bytes)
+            body = validate(route, raw)
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            call = Call(route=route, raw=raw, body=body, request_id=request_id)
+            return counted(route, await router.flow.handle(call, request))
+        except RouterError as exc:
+            return counted(route, exc.response())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion("completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        if not _authorized(router, request):
+            raise RouterError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+        return JSONResponse({"object": "list", "data": router.decode.model_cards()})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        counts: dict[str, Any] = {
+            role: {"healthy": len(pool.candidates(None)), "known": len(pool.workers)}
+            for role, pool in (("prefill", router.prefill), ("decode", router.decode))
+        }
+        return JSONResponse({"ready": router.ready(), **counts}, status_code=200 if router.ready() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = config_from_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+            loop="uvloop", http="httptools", timeout_graceful_shutdown=5,
+        )
+    )
+    server.run()
+    return 0

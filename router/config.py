@@ -1,0 +1,134 @@
+"""The router's whole configuration in one typed place, and the CLI that fills it.
+
+Flag names follow what vLLM users already type (`--host`, `--port`, `--api-key`,
+`--model`); the P/D-specific ones follow vLLM's disaggregation proxies
+(`--prefill URL...`, `--decode URL...`). Other services (pdserve up, tests) start
+the router through these flags, so they are a stable interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Literal, Sequence, get_args
+
+PolicyName = Literal["least-loaded", "round-robin", "prefix-aware"]
+POLICIES: tuple[str, ...] = get_args(PolicyName)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    redis_url: str | None = None
+    model: str | None = None  # only follow Redis workers that serve this model
+    tokenizer: str | None = None  # local tokenizer path; default: the served model name when it is a folder
+    prefill_policy: PolicyName = "least-loaded"
+    decode_policy: PolicyName = "least-loaded"
+    pd_min_prompt_tokens: int = 256
+    pd_max_cached_fraction: float = 0.5  # prompts this much in the store already skip the prefill leg
+    api_key: str | None = None
+    max_inflight_per_worker: int = 64
+    max_queue: int = 256
+    queue_timeout: float = 30.0
+    retry_after_s: int = 1
+    prefill_timeout: float = 300.0
+    decode_timeout: float = 600.0
+    connect_timeout: float = 5.0
+    health_interval: float = 2.0
+    breaker_failures: int = 3
+    breaker_cooldown: float = 5.0
+    max_request_bytes: int = 16 << 20
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for url in (*self.prefill_urls, *self.decode_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
+        if not self.decode_urls and not self.redis_url:
+            raise ValueError("no decode workers: give --decode URL... or --redis-url for discovery")
+        for name in ("prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
+        positive = ("max_inflight_per_worker", "prefill_timeout", "decode_timeout", "connect_timeout",
+                    "health_interval", "breaker_failures", "max_request_bytes", "queue_timeout")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_queue < 0 or self.pd_min_prompt_tokens < 0:
+            raise ValueError("max_queue and pd_min_prompt_tokens must not be negative")
+        if not 0.0 < self.pd_max_cached_fraction <= 1.0:
+            raise ValueError(f"pd_max_cached_fraction must be in (0, 1], got {self.pd_max_cached_fraction}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(
+        prog="pdserve router",
+        description="OpenAI-compatible router: prefill on a prefill worker, decode (streamed) on a decode worker.",
+    )
+    p.add_argument("--host", default=d["host"].default)
+    p.add_argument("--port", type=int, default=d["port"].default)
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="static prefill worker base URLs")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="static decode worker base URLs")
+    p.add_argument("--redis-url", default=None, help="follow workers registered in Redis (e.g. redis://host:6379/0)")
+    p.add_argument("--model", default=None, help="only use Redis workers serving this model name")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder for prompt token counting")
+    for leg in ("prefill", "decode"):
+        p.add_argument(f"--{leg}-policy", choices=POLICIES, default="least-loaded")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=d["pd_min_prompt_tokens"].default,
+                   help="shorter prompts skip the prefill leg: the decode worker prefills locally")
+    p.add_argument("--pd-max-cached-fraction", type=float, default=d["pd_max_cached_fraction"].default,
+                   help="prompts whose prefix is at least this fraction in the KV store skip the prefill leg")
+    p.add_argument("--api-key", default=None, help="Bearer key clients must send; also sent to workers")
+    p.add_argument("--max-inflight-per-worker", type=int, default=d["max_inflight_per_worker"].default)
+    p.add_argument("--max-queue", type=int, default=d["max_queue"].default,
+                   help="requests that may wait for a free worker; beyond it: 429")
+    p.add_argument("--queue-timeout", type=float, default=d["queue_timeout"].default,
+                   help="seconds a queued request waits before 429")
+    p.add_argument("--prefill-timeout", type=float, default=d["prefill_timeout"].default)
+    p.add_argument("--decode-timeout", type=float, default=d["decode_timeout"].default,
+                   help="seconds without a byte from the decode worker before the leg fails")
+    p.add_argument("--health-interval", type=float, default=d["health_interval"].default)
+    p.add_argument("--breaker-failures", type=int, default=d["breaker_failures"].default,
+                   help="consecutive failures that open a worker's circuit breaker")
+    p.add_argument("--breaker-cooldown", type=float, default=d["breaker_cooldown"].default)
+    p.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"].default)
+    p.add_argument("--log-level", default=d["log_level"].default,
+                   choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def config_from_args(argv: Sequence[str]) -> RouterConfig:
+    """Parse argv into a RouterConfig; a bad combination exits with the parser's usage error."""
+    parser = build_parser()
+    a = parser.parse_args(list(argv))
+    try:
+        return RouterConfig(
+            host=a.host,
+            port=a.port,
+            prefill_urls=tuple(u.rstrip("/") for u in a.prefill),
+            decode_urls=tuple(u.rstrip("/") for u in a.decode),
+            redis_url=a.redis_url,
+            model=a.model,
+            tokenizer=a.tokenizer,
+            prefill_policy=a.prefill_policy,
+            decode_policy=a.decode_policy,
+            pd_min_prompt_tokens=a.pd_min_prompt_tokens,
+            pd_max_cached_fraction=a.pd_max_cached_fraction,
+            api_key=a.api_key,
+            max_inflight_per_worker=a.max_inflight_per_worker,
+            max_queue=a.max_queue,
+            queue_timeout=a.queue_timeout,
+            prefill_timeout=a.prefill_timeout,
+            decode_timeout=a.decode_timeout,
+            health_interval=a.health_interval,
+            breaker_failures=a.breaker_failures,
+            breaker_cooldown=a.breaker_cooldown,
+            max_request_bytes=a.max_request_bytes,
+            log_level=a.log_level,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2 and the usage line

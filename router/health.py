@@ -1,0 +1,76 @@
+"""Active health checks: GET /health on every worker each `health_interval` seconds.
+
+Passive signals (a refused connection, a 5xx) take a worker out quickly; only an
+active check puts it back, so a worker returns after it really answers again. The
+first passing check also fetches the worker's /v1/models, which is how the router
+learns what a statically configured worker serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Sequence
+
+import httpx
+import msgspec
+
+from pdserve.router.pool import Pool, Worker
+
+log = logging.getLogger("pdserve.router.health")
+
+
+class HealthChecker:
+    def __init__(self, pools: Sequence[Pool], http: httpx.AsyncClient, headers: dict[str, str], interval: float) -> None:
+        self.pools = pools
+        self.http = http
+        self.headers = headers
+        self.interval = interval
+        self.timeout = httpx.Timeout(min(interval, 5.0))
+        self._task: asyncio.Task | None = None
+        self._pending: set[asyncio.Task] = set()
+
+    async def _probe(self, w: Worker) -> bool:
+        try:
+            resp = await self.http.get(w.url + "/health", headers=self.headers, timeout=self.timeout)
+            if resp.status_code != 200:
+                return False
+            if w.model_cards is None:
+                models = await self.http.get(w.url + "/v1/models", headers=self.headers, timeout=self.timeout)
+                if models.status_code == 200:
+                    w.model_cards = list(msgspec.json.decode(models.content).get("data") or [])
+            return True
+        except (httpx.HTTPError, msgspec.DecodeError, AttributeError) as exc:
+            log.debug("health check of %s failed: %s", w.url, exc)
+            return False
+
+    async def check(self, pool: Pool, w: Worker) -> None:
+        ok = await self._probe(w)
+        if pool.workers.get(w.id) is w:  # it may have left while we waited
+            pool.set_health(w, ok)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(p, w) for p in self.pools for w in list(p.workers.values())))
+
+    def check_soon(self, pool: Pool, workers: Sequence[Worker]) -> None:
+        """Check newly joined workers now rather than at the next round."""
+        for w in workers:
+            task = asyncio.create_task(self.check(pool, w))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.check_all()
+
+    async def start(self) -> None:
+        """One full round before returning, so a router with live workers is ready at once."""
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop(), name="health-checks")
+
+    async def stop(self) -> None:
+        for task in [self._task, *self._pending]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._task, *self._pending] if t is not None), return_exceptions=True)

@@ -1,0 +1,66 @@
+"""Prometheus metrics of one router, in a private registry.
+
+A private registry (not prometheus_client's global one) so two routers in one
+process, as tests run them, never collide, and /metrics shows only router series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets from sub-millisecond (router overhead, ITL) to minutes (CPU prefill).
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_router_requests", "Requests answered, by route and HTTP status", ["route", "status"], registry=r
+        )
+        self.paths = Counter(
+            "pdserve_router_paths",
+            "How requests were served: pd (two legs) or decode-only and why",
+            ["path"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_router_ttft_seconds", "Time to first token seen by the router", ["route"], buckets=_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "pdserve_router_itl_seconds", "Time between streamed chunks after the first token", buckets=_BUCKETS, registry=r
+        )
+        self.leg = Histogram(
+            "pdserve_router_leg_seconds",
+            "Leg latency: prefill until its response, decode until its first token",
+            ["leg"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.handoff = Histogram(
+            "pdserve_router_handoff_seconds",
+            "From the prefill response to the decode leg's first token (KV load plus one decode step)",
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter("pdserve_router_retries", "Legs retried on another worker", ["leg"], registry=r)
+        self.queue_depth = Gauge(
+            "pdserve_router_queue_depth", "Requests waiting for a free worker", ["role"], registry=r
+        )
+        self.inflight = Gauge("pdserve_router_inflight", "Requests in flight per worker", ["role", "worker"], registry=r)
+        self.worker_healthy = Gauge(
+            "pdserve_router_worker_healthy", "1 when the worker takes requests (healthy, breaker closed)",
+            ["role", "worker"], registry=r,
+        )
+
+    def forget_worker(self, role: str, worker: str) -> None:
+        """Drop a departed worker's series so /metrics does not report ghosts."""
+        for gauge in (self.inflight, self.worker_healthy):
+            try:
+                gauge.remove(role, worker)
+            except KeyError:
+                pass
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,463 @@
+"""The two-leg request: prefill on a prefill worker, then decode (streamed) on a decode worker.
+
+Flow for one request:
+1. Plan: decode-only when no prefill worker is available, the prompt is short
+   (`--pd-min-prompt-tokens`) or mostly in the KV store already; else P/D.
+2. Prefill leg: the client's body with `max_tokens=1`, `stream=false`,
+   `kv_transfer_params={"do_remote_decode": true}` and `return_token_ids`, under the
+   same X-Request-Id as the decode leg. Connection errors and 5xx move it to another
+   prefill worker; when none is left the request falls back to decode-only.
+3. Decode leg: the client's body plus the prefill's `kv_transfer_params` and the
+   prompt token ids (vLLM then skips re-rendering the prompt, so both legs see the
+   same tokens). Before the first token any failure moves it to another decode
+   worker; after it, the stream ends with an OpenAI error event.
+
+The decode stream is relayed as the bytes arrive: only events before the first token
+are parsed (to tell a role-only chunk from a token and to keep a retry invisible);
+afterwards bytes pass through untouched. The one token the prefill leg generated is
+never shown: decode regenerates it from the transferred KV, so nothing is lost or
+duplicated at the seam.
+
+Whatever ends a request early (client gone, decode failed) frees the prefill's store
+tail, so no KV is left behind waiting for a decode that will not come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Literal, TypeVar
+
+import httpx
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import RouterError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import Lease, Policy, Pool, RouteContext
+from pdserve.router.store import StoreView
+from pdserve.router.tokens import PromptTokens
+
+log = logging.getLogger("pdserve.router.flow")
+
+Route = Literal["chat", "completions"]
+PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+T = TypeVar("T")
+
+# Fields of the client's body that would contradict a one-token, unstreamed prefill.
+_PREFILL_DROP = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "best_of")
+# Errors after which a worker is unreachable, not merely failing: out until a health check passes.
+_HARD = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
+
+
+class ClientGone(Exception):
+    """The client disconnected while the router was still working on its request."""
+
+
+@dataclass
+class Call:
+    """One client request as the flow sees it, plus what it has learned on the way."""
+
+    route: Route
+    raw: bytes
+    body: dict[str, Any]
+    request_id: str
+    t0: float = field(default_factory=time.perf_counter)
+    kv_params: dict[str, Any] | None = None  # from the prefill response: owns a store tail until decode ends
+    finished: bool = False  # the decode leg completed (its worker consumed the tail)
+
+    @property
+    def model(self) -> str | None:
+        m = self.body.get("model")
+        return m if isinstance(m, str) else None
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+@dataclass
+class DecodeLeg:
+    """An open decode response and the bookkeeping a retry or the relay needs."""
+
+    lease: Lease
+    resp: httpx.Response
+    payload: bytes
+    ctx: RouteContext
+    tried: set[str]
+    t_sent: float
+    t_prefill_done: float | None
+
+
+def _is_batch(body: dict[str, Any]) -> bool:
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt)
+
+
+def _has_token(buf: bytes) -> bool:
+    """True once the SSE bytes hold an event that carries output (or ends the stream)."""
+    for event in buf.split(b"\n\n")[:-1]:  # the last piece is incomplete
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return True
+            try:
+                obj = msgspec.json.decode(data)
+            except msgspec.DecodeError:
+                return True  # not ours to judge: relay it
+            if not isinstance(obj, dict) or "error" in obj:
+                return True
+            for choice in obj.get("choices") or ():
+                if choice.get("finish_reason") or choice.get("text"):
+                    return True
+                delta = choice.get("delta") or {}
+                if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
+                    return True
+    return False
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: the client's, cut to one unstreamed token that keeps its KV for decode."""
+    sent = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    sent["max_tokens"] = 1
+    sent["stream"] = False
+    sent["return_token_ids"] = True  # the decode leg reuses these ids instead of re-rendering
+    sent["kv_transfer_params"] = {"do_remote_decode": True}
+    return sent
+
+
+def _prompt_ids(data: dict[str, Any]) -> list[int] | None:
+    ids = data.get("prompt_token_ids")
+    if ids is None:  # completions put them on the choice
+        choices = data.get("choices") or [{}]
+        ids = choices[0].get("prompt_token_ids")
+    return ids if isinstance(ids, list) and ids else None
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; if the client disconnects first, cancel it (closing its upstream connections) and raise ClientGone."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+class PDFlow:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        prefill: Pool,
+        decode: Pool,
+        prefill_policy: Policy,
+        decode_policy: Policy,
+        http: httpx.AsyncClient,
+        tokens: PromptTokens,
+        store: StoreView,
+        metrics: RouterMetrics,
+        headers: dict[str, str],
+    ) -> None:
+        self.cfg = cfg
+        self.prefill, self.decode = prefill, decode
+        self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
+        self.http = http
+        self.tokens = tokens
+        self.store = store
+        self.metrics = metrics
+        self.headers = headers
+        self.prefill_timeout = httpx.Timeout(cfg.prefill_timeout, connect=cfg.connect_timeout)
+        self.decode_timeout = httpx.Timeout(cfg.decode_timeout, connect=cfg.connect_timeout)
+        self._background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------ entry
+
+    async def handle(self, call: Call, request: Request) -> Response:
+        """Serve one completion request: a stream (which counts its own outcome) or a whole response."""
+        self.decode.check_model(call.model)
+        streaming = False
+        try:
+            resp = await until_disconnect(request, self._serve(call))
+            streaming = isinstance(resp, StreamingResponse)
+            return resp
+        except ClientGone:
+            log.info("client closed request %s before the response", call.request_id)
+            return Response(status_code=499)
+        finally:
+            if not streaming:  # a stream cleans up when the relay ends
+                self._end(call)
+
+    async def _serve(self, call: Call) -> Response:
+        path, ctx = await self._plan(call)
+        self.metrics.paths.labels(path).inc()
+        t_prefill_done: float | None = None
+        payload = call.raw
+        if path == "pd":
+            data = await self._prefill(call, ctx)
+            if data is None:
+                self.metrics.paths.labels("decode_only_prefill_failed").inc()
+            else:
+                t_prefill_done = time.perf_counter()
+                payload = self._decode_payload(call, data)
+        leg = await self._open_decode(call, payload, ctx, set(), t_prefill_done)
+        if leg.resp.status_code != 200 or not call.stream:
+            return await self._unary(call, leg)
+        return StreamingResponse(
+            self._relay(call, leg), media_type="text/event-stream", headers={"X-Request-Id": call.request_id}
+        )
+
+    # ------------------------------------------------------------ planning
+
+    async def _plan(self, call: Call) -> tuple[str, RouteContext]:
+        estimate = len(call.raw) // 4  # a rough count for load accounting when no tokenization is needed
+        ctx = RouteContext(model=call.model, prompt_tokens=estimate)
+        if _is_batch(call.body):
+            return "decode_only_batch", ctx
+        prefill_workers = self.prefill.candidates(call.model)
+        if not prefill_workers:
+            return "decode_only_no_prefill", ctx
+        ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url)
+        if ids is not None:
+            ctx.prompt_tokens = len(ids)
+        if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
+            return "decode_only_short", ctx
+        if ids is not None and self.store.layouts:
+            salt = call.body.get("cache_salt")
+            ctx.prefix_tokens = await self.store.prefix_tokens(ids, salt if isinstance(salt, str) else None)
+            if max(ctx.prefix_tokens.values()) >= self.cfg.pd_max_cached_fraction * len(ids):
+                return "decode_only_cached", ctx
+        return "pd", ctx
+
+    # ------------------------------------------------------------ prefill leg
+
+    async def _prefill(self, call: Call, ctx: RouteContext) -> dict[str, Any] | None:
+        """The prefill response, or None when no prefill worker could serve it (then decode prefills)."""
+        payload = msgspec.json.encode(prefill_body(call.body))
+        headers = {**self.headers, "X-Request-Id": call.request_id}
+        tried: set[str] = set()
+        while True:
+            try:
+                lease = await self.prefill.acquire(self.prefill_policy, ctx, exclude=tried)
+            except RouterError as exc:
+                if exc.status == 503:  # none (left) alive: decode-only
+                    return None
+                raise
+            tried.add(lease.worker.id)
+            with lease:
+                t = time.perf_counter()
+                try:
+                    resp = await self.http.post(
+                        lease.worker.url + PATHS[call.route], content=payload, headers=headers, timeout=self.prefill_timeout
+                    )
+                except httpx.HTTPError as exc:
+                    lease.release(False, hard=isinstance(exc, _HARD))
+                    log.warning("prefill on %s failed (%s); trying another worker", lease.worker.url, exc)
+                    self.metrics.retries.labels("prefill").inc()
+                    continue
+                if resp.status_code >= 500:
+                    lease.release(False)
+                    log.warning("prefill on %s answered %d; trying another worker", lease.worker.url, resp.status_code)
+                    self.metrics.retries.labels("prefill").inc()
+                    continue
+                lease.release(True)
+            if resp.status_code != 200:  # the request's fault: the client gets the worker's error
+                raise UpstreamResponse(resp.status_code, resp.content)
+            self.metrics.leg.labels("prefill").observe(time.perf_counter() - t)
+            data = msgspec.json.decode(resp.content)
+            params = data.get("kv_transfer_params")
+            if isinstance(params, dict):
+                call.kv_params = params
+                store_url = self.store.learn(params)
+                if store_url and lease.worker.kvstore_url is None:
+                    lease.worker.kvstore_url = store_url
+            return data
+
+    def _decode_payload(self, call: Call, prefill: dict[str, Any]) -> bytes:
+        params = dict(call.kv_params or {})
+        ids = _prompt_ids(prefill)
+        if ids is not None:
+            params["prompt_token_ids"] = ids
+        if not params:
+            return call.raw
+        return msgspec.json.encode({**call.body, "kv_transfer_params": params})
+
+    # ------------------------------------------------------------ decode leg
+
+    async def _open_decode(
+        self, call: Call, payload: bytes, ctx: RouteContext, tried: set[str], t_prefill_done: float | None
+    ) -> DecodeLeg:
+        """Send the decode leg and wait for its headers, moving on from workers that fail (nothing is sent yet)."""
+        headers = {**self.headers, "X-Request-Id": call.request_id}
+        last: RouterError | None = None
+        while True:
+            try:
+                lease = await self.decode.acquire(self.decode_policy, ctx, exclude=tried)
+            except RouterError as exc:
+                raise last if (last is not None and exc.status == 503) else exc
+            tried.add(lease.worker.id)
+            t = time.perf_counter()
+            try:
+                req = self.http.build_request(
+                    "POST", lease.worker.url + PATHS[call.route], content=payload, headers=headers,
+                    timeout=self.decode_timeout,
+                )
+                resp = await self.http.send(req, stream=True)
+            except httpx.HTTPError as exc:
+                lease.release(False, hard=isinstance(exc, _HARD))
+                last = RouterError(502, f"decode worker failed: {exc!r}")
+            except BaseException:
+                lease.release(None)
+                raise
+            else:
+                if resp.status_code < 500:
+                    return DecodeLeg(lease, resp, payload, ctx, tried, t, t_prefill_done)
+                body = await resp.aread()
+                await resp.aclose()
+                lease.release(False)
+                last = UpstreamResponse(resp.status_code, body)
+            log.warning("decode on %s failed (%s); trying another worker", lease.worker.url, last.message)
+            self.metrics.retries.labels("decode").inc()
+
+    async def _unary(self, call: Call, leg: DecodeLeg) -> Response:
+        """A whole (non-streamed or error) decode response; a body cut short is retried elsewhere."""
+        while True:
+            try:
+                body = await leg.resp.aread()
+                break
+            except httpx.HTTPError as exc:
+                leg.lease.release(False, hard=isinstance(exc, _HARD))
+                self._close_later(leg.resp)
+                self.metrics.retries.labels("decode").inc()
+                leg = await self._open_decode(call, leg.payload, leg.ctx, leg.tried, leg.t_prefill_done)
+            except BaseException:
+                leg.lease.release(None)
+                self._close_later(leg.resp)
+                raise
+        status = leg.resp.status_code
+        leg.lease.release(status < 500)
+        if status == 200:
+            call.finished = True
+            self.metrics.leg.labels("decode").observe(time.perf_counter() - leg.t_sent)
+        return Response(body, status_code=status, media_type="application/json",
+                        headers={"X-Request-Id": call.request_id})
+
+    async def _relay(self, call: Call, leg: DecodeLeg) -> AsyncIterator[bytes]:
+        """Relay the decode stream; retry on another worker until the first token, then pass bytes through."""
+        outcome = "499"  # unless the stream ends otherwise, the client left
+        first = False
+        try:
+            while True:
+                pending = b""
+                t_last = 0.0
+                try:
+                    async for chunk in leg.resp.aiter_raw():
+                        now = time.perf_counter()
+                        if first:
+                            self.metrics.itl.observe(now - t_last)
+                            t_last = now
+                            yield chunk
+                            continue
+                        pending += chunk
+                        if _has_token(pending):
+                            first, t_last = True, now
+                            self._observe_first_token(call, leg, now)
+                            yield pending
+                    if pending and not first:
+                        yield pending  # a stream without any token (e.g. max_tokens=0): relay as is
+                    leg.lease.release(True)
+                    call.finished = True
+                    outcome = "200"
+                    return
+                except httpx.HTTPError as exc:
+                    leg.lease.release(False, hard=isinstance(exc, _HARD))
+                    self._close_later(leg.resp)
+                    if first:
+                        outcome = "502"
+                        log.warning("decode worker %s failed mid-stream: %r", leg.lease.worker.url, exc)
+                        yield RouterError(502, f"decode worker failed mid-stream: {exc!r}").sse_event()
+                        return
+                    self.metrics.retries.labels("decode").inc()
+                    try:
+                        leg = await self._open_decode(call, leg.payload, leg.ctx, leg.tried, leg.t_prefill_done)
+                    except RouterError as err:
+                        outcome = str(err.status)
+                        yield err.sse_event()
+                        return
+                    if leg.resp.status_code != 200:
+                        outcome = str(leg.resp.status_code)
+                        body = await leg.resp.aread()
+                        leg.lease.release(True)
+                        yield UpstreamResponse(leg.resp.status_code, body).sse_event()
+                        return
+        finally:
+            # Runs on client disconnect too (the generator is cancelled): nothing here may await.
+            leg.lease.release(None)
+            self._close_later(leg.resp)
+            self.metrics.requests.labels(call.route, outcome).inc()
+            self._end(call)
+
+    def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float) -> None:
+        self.metrics.ttft.labels(call.route).observe(now - call.t0)
+        self.metrics.leg.labels("decode").observe(now - leg.t_sent)
+        if leg.t_prefill_done is not None:
+            self.metrics.handoff.observe(now - leg.t_prefill_done)
+
+    # ------------------------------------------------------------ cleanup
+
+    def _end(self, call: Call) -> None:
+        """A request that had a prefill but no completed decode leaves a tail in the store: free it."""
+        if call.kv_params and not call.finished:
+            self._spawn(self.store.drop_tail(call.kv_params))
+
+    def _close_later(self, resp: httpx.Response) -> None:
+        if not resp.is_closed:
+            self._spawn(resp.aclose())
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Let pending cleanups (tail drops, closes) finish at shutdown."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=2.0)
+
+
+class UpstreamResponse(RouterError):
+    """A worker's own error response, handed to the client unchanged (status and body)."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        try:
+            message = str(msgspec.json.decode(body)["error"]["message"])
+        except (msgspec.DecodeError, KeyError, TypeError):
+            message = body[:500].decode(errors="replace") or f"worker answered {status}"
+        super().__init__(status, message)
+        self._body = body
+
+    def body(self) -> bytes:
+        try:
+            if isinstance(msgspec.json.decode(self._body).get("error"), dict):
+                return self._body
+        except (msgspec.DecodeError, AttributeError):
+            pass
+        return super().body()

@@ -1,0 +1,254 @@
+"""Worker pools: who is there, who may take a request, and how loaded each one is.
+
+One `Pool` per role. The router's own accounting (requests and prompt tokens it has
+in flight on each worker) is the load signal, because it is exact and free; the
+load a worker advertises through Redis only breaks ties. Admission is bounded
+twice: at most `max_inflight_per_worker` on a worker, and at most `max_queue`
+requests waiting for a slot; beyond that the caller gets 429 with Retry-After
+instead of an unbounded wait.
+
+A worker takes requests only while it is healthy and its circuit breaker is
+closed. A connection failure marks it unhealthy at once (the next health check
+brings it back); other failures open the breaker after `breaker_failures` in a row,
+for `breaker_cooldown` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Protocol, Sequence
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.discovery import Role, WorkerRecord
+from pdserve.router.errors import RouterError, no_worker, overloaded
+from pdserve.router.metrics import RouterMetrics
+
+log = logging.getLogger("pdserve.router.pool")
+
+Source = Literal["static", "redis"]
+
+
+@dataclass(eq=False)
+class Worker:
+    id: str
+    role: Role
+    url: str
+    source: Source
+    kvstore_url: str | None = None
+    reported_load: int = 0  # running + waiting, from the worker's Redis heartbeat
+    model_cards: list[dict[str, Any]] | None = None  # its /v1/models entries, once fetched
+    inflight: int = 0
+    inflight_tokens: int = 0
+    served: int = 0
+    healthy: bool = False  # no request before the first health check passes
+    failures: int = 0
+    open_until: float = 0.0  # circuit breaker: closed when now >= open_until
+
+    @property
+    def models(self) -> set[str] | None:
+        if self.model_cards is None:
+            return None
+        return {str(card.get("id")) for card in self.model_cards}
+
+    def available(self, now: float) -> bool:
+        return self.healthy and now >= self.open_until
+
+    def serves(self, model: str | None) -> bool:
+        models = self.models
+        return model is None or models is None or model in models
+
+
+@dataclass
+class RouteContext:
+    """Per-request facts a policy may use."""
+
+    model: str | None
+    prompt_tokens: int
+    prefix_tokens: dict[str, int] = field(default_factory=dict)  # kvstore_url -> prompt tokens already stored
+
+
+class Policy(Protocol):
+    def choose(self, workers: Sequence[Worker], ctx: RouteContext) -> Worker: ...
+
+
+class Lease:
+    """A slot held on one worker; release it exactly once with the outcome."""
+
+    def __init__(self, pool: "Pool", worker: Worker, tokens: int) -> None:
+        self.pool = pool
+        self.worker = worker
+        self.tokens = tokens
+        self._released = False
+
+    def release(self, ok: bool | None, *, hard: bool = False) -> None:
+        """ok=True: success; False: a worker failure (hard: it is unreachable); None: no verdict (abort)."""
+        if self._released:
+            return
+        self._released = True
+        self.pool._release(self, ok, hard)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release(None)
+
+
+class Pool:
+    def __init__(self, role: Role, cfg: RouterConfig, metrics: RouterMetrics) -> None:
+        self.role = role
+        self.cfg = cfg
+        self.metrics = metrics
+        self.workers: dict[str, Worker] = {}
+        self.waiting = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    # ------------------------------------------------------------ membership
+
+    def add_static(self, urls: Iterable[str]) -> None:
+        for url in urls:
+            self.workers.setdefault(url, Worker(id=url, role=self.role, url=url, source="static"))
+
+    def sync_redis(self, records: Iterable[WorkerRecord]) -> list[Worker]:
+        """Make this pool's Redis-sourced workers equal `records`; returns the workers that are new."""
+        wanted = {r.id: r for r in records if r.role == self.role}
+        for wid, w in list(self.workers.items()):
+            if w.source == "redis" and wid not in wanted:
+                self._remove(wid)
+        new: list[Worker] = []
+        for wid, rec in wanted.items():
+            w = self.workers.get(wid)
+            if w is None or w.url != rec.url.rstrip("/"):
+                if w is not None:
+                    self._remove(wid)
+                w = Worker(id=wid, role=self.role, url=rec.url.rstrip("/"), source="redis")
+                self.workers[wid] = w
+                new.append(w)
+            w.kvstore_url = rec.kvstore_url or w.kvstore_url
+            w.reported_load = sum(rec.load.get(k, 0) for k in ("running", "waiting"))
+        return new
+
+    def _remove(self, wid: str) -> None:
+        w = self.workers.pop(wid)
+        w.healthy = False  # in-flight leases of a departed worker must not bring it back
+        self.metrics.forget_worker(self.role, wid)
+        log.info("%s worker removed: %s", self.role, wid)
+        self._wake()
+
+    # ------------------------------------------------------------ health
+
+    def set_health(self, w: Worker, ok: bool) -> None:
+        """Apply a health check; a passing check after the cooldown closes the breaker."""
+        now = time.monotonic()
+        was = w.available(now)
+        if ok and now >= w.open_until:
+            w.healthy, w.failures = True, 0
+        elif not ok:
+            w.healthy = False
+        self._publish(w)
+        if w.available(now) != was:
+            log.info("%s worker %s is %s", self.role, w.id, "up" if w.available(now) else "down")
+            if w.available(now):
+                self._wake()
+
+    def _publish(self, w: Worker) -> None:
+        if w.id in self.workers:
+            self.metrics.worker_healthy.labels(self.role, w.id).set(1 if w.available(time.monotonic()) else 0)
+            self.metrics.inflight.labels(self.role, w.id).set(w.inflight)
+
+    # ------------------------------------------------------------ selection
+
+    def candidates(self, model: str | None, exclude: Iterable[str] = ()) -> list[Worker]:
+        now = time.monotonic()
+        skip = set(exclude)
+        return [w for w in self.workers.values() if w.id not in skip and w.available(now) and w.serves(model)]
+
+    def known_models(self) -> set[str] | None:
+        """Model names served by the available workers, or None while any of them is not known yet."""
+        names: set[str] = set()
+        for w in self.candidates(None):
+            if w.models is None:
+                return None
+            names |= w.models
+        return names
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model that no available worker serves (decided only when all their models are known)."""
+        known = self.known_models()
+        if model is not None and known and model not in known:
+            raise RouterError(404, f"The model `{model}` does not exist.", param="model")
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """/v1/models entries of the available workers, one per model id."""
+        cards: dict[str, dict[str, Any]] = {}
+        for w in self.candidates(None):
+            for card in w.model_cards or ():
+                cards.setdefault(str(card.get("id")), card)
+        return list(cards.values())
+
+    async def acquire(self, policy: Policy, ctx: RouteContext, exclude: Iterable[str] = ()) -> Lease:
+        """A slot on the worker `policy` picks; waits in the bounded queue while all are full."""
+        exclude = set(exclude)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.queue_timeout
+        queued = False
+        try:
+            while True:
+                workers = self.candidates(ctx.model, exclude)
+                if not workers:
+                    raise no_worker(self.role, ctx.model)
+                free = [w for w in workers if w.inflight < self.cfg.max_inflight_per_worker]
+                if free:
+                    return self._take(policy.choose(free, ctx), ctx.prompt_tokens)
+                if not queued:
+                    if self.waiting >= self.cfg.max_queue:
+                        raise overloaded(self.cfg.retry_after_s, f"all {self.role} workers are busy and the queue is full")
+                    queued = True
+                    self.waiting += 1
+                    self.metrics.queue_depth.labels(self.role).set(self.waiting)
+                remaining = deadline - loop.time()
+                fut: asyncio.Future[None] = loop.create_future()
+                self._waiters.append(fut)
+                try:
+                    await asyncio.wait_for(fut, remaining)
+                except asyncio.TimeoutError:
+                    raise overloaded(self.cfg.retry_after_s, f"no {self.role} worker freed up in {self.cfg.queue_timeout:g} s")
+        finally:
+            if queued:
+                self.waiting -= 1
+                self.metrics.queue_depth.labels(self.role).set(self.waiting)
+
+    def _take(self, w: Worker, tokens: int) -> Lease:
+        w.inflight += 1
+        w.inflight_tokens += tokens
+        w.served += 1
+        self.metrics.inflight.labels(self.role, w.id).set(w.inflight)
+        return Lease(self, w, tokens)
+
+    def _release(self, lease: Lease, ok: bool | None, hard: bool) -> None:
+        w = lease.worker
+        w.inflight -= 1
+        w.inflight_tokens -= lease.tokens
+        if ok is True:
+            w.failures = 0
+        elif ok is False:
+            w.failures += 1
+            if hard:
+                w.healthy = False
+                log.warning("%s worker %s unreachable; out until a health check passes", self.role, w.id)
+            elif w.failures >= self.cfg.breaker_failures:
+                w.open_until = time.monotonic() + self.cfg.breaker_cooldown
+                log.warning("%s worker %s failed %d times; breaker open for %g s",
+                            self.role, w.id, w.failures, self.cfg.breaker_cooldown)
+        self._publish(w)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+

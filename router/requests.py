@@ -1,0 +1,70 @@
+"""Checks on a client's request before any worker sees it.
+
+Only what the router itself depends on is checked here: the body's size, that it is
+a JSON object, and the types of the fields the router reads or rewrites for the
+prefill leg. A wrong type there would otherwise surface only at the decode leg,
+after a wasted prefill; everything else is left to vLLM, whose 400s pass through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+
+from pdserve.router.errors import RouterError
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than `limit` bytes (413) without reading it all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RouterError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _is_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if all(type(t) is int for t in prompt) or all(isinstance(p, str) for p in prompt):
+        return True
+    return all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt)
+
+
+def validate(route: str, raw: bytes) -> dict[str, Any]:
+    """The parsed body, or a 400 that names the offending field."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise RouterError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RouterError(400, "request body must be a JSON object")
+    if body.get("model") is not None and not isinstance(body["model"], str):
+        raise RouterError(400, "`model` must be a string", param="model")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise RouterError(400, "`stream` must be a boolean", param="stream")
+    for name in _INT_FIELDS:
+        value = body.get(name)
+        if value is not None and (type(value) is not int or value < 0):
+            raise RouterError(400, f"`{name}` must be a non-negative integer", param=name)
+    if route == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RouterError(400, "`messages` must be a non-empty list of message objects", param="messages")
+    elif not _is_prompt(body.get("prompt")):
+        raise RouterError(
+            400, "`prompt` must be a string, a list of strings, or (lists of) token ids", param="prompt"
+        )
+    return body

@@ -1,0 +1,92 @@
+"""What the router asks of the KV store: prefix lookups for routing, and dropping tails.
+
+The router learns each store's namespace and chunk size from the prefill responses'
+`kv_transfer_params` (the connector puts them there), so it needs no model or layout
+knowledge of its own. Every call is bounded and best-effort: a store that is down or
+slow makes the router route without prefix information (and leave a tail to expire
+by its TTL), never fail or stall a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from pdserve.kvstore.keys import chunk_keys
+
+if TYPE_CHECKING:
+    from pdserve.kvstore.client import AsyncKVStoreClient
+
+log = logging.getLogger("pdserve.router.store")
+
+STORE_CALL_TIMEOUT_S = 0.5
+
+
+class StoreLayout(msgspec.Struct, frozen=True):
+    namespace: str
+    chunk_size: int
+    groups: tuple[int, ...]
+
+
+class StoreView:
+    def __init__(self) -> None:
+        self.layouts: dict[str, StoreLayout] = {}
+        self._clients: dict[str, AsyncKVStoreClient] = {}
+
+    def _client(self, url: str) -> AsyncKVStoreClient:
+        client = self._clients.get(url)
+        if client is None:
+            # Imported here: a router without P/D traffic never loads the store client (zmq).
+            from pdserve.kvstore.client import AsyncKVStoreClient
+
+            # Lookups and tail drops carry no payload, so no shared-memory arena is mapped.
+            client = self._clients[url] = AsyncKVStoreClient(url, timeout_s=STORE_CALL_TIMEOUT_S, shm=False)
+        return client
+
+    def learn(self, params: dict[str, Any]) -> str | None:
+        """Remember the layout a prefill response advertises; returns its store URL."""
+        url, ns, chunk = params.get("kvstore_url"), params.get("namespace"), params.get("chunk_size")
+        if not (isinstance(url, str) and isinstance(ns, str) and isinstance(chunk, int) and chunk > 0):
+            return None
+        groups = params.get("groups")
+        layout = StoreLayout(ns, chunk, tuple(groups) if isinstance(groups, list) and groups else (0,))
+        if self.layouts.get(url) != layout:
+            self.layouts[url] = layout
+            log.info("learned KV store %s: namespace %s, chunk %d tokens", url, ns, chunk)
+        return url
+
+    async def _lookup(self, url: str, layout: StoreLayout, token_ids: list[int], salt: str | None) -> int:
+        keys = chunk_keys(layout.namespace, token_ids, layout.chunk_size, salt)
+        if not keys:
+            return 0
+        try:
+            found = await self._client(url).lookup(layout.namespace, keys, list(layout.groups))
+        except Exception as exc:  # any store failure only costs the routing hint
+            log.debug("store lookup at %s failed: %s", url, exc)
+            return 0
+        return int(found) * layout.chunk_size
+
+    async def prefix_tokens(self, token_ids: list[int], salt: str | None) -> dict[str, int]:
+        """Prompt tokens already stored, per known store URL (0 for a store that did not answer)."""
+        urls = list(self.layouts)
+        counts = await asyncio.gather(*(self._lookup(u, self.layouts[u], token_ids, salt) for u in urls))
+        return dict(zip(urls, counts))
+
+    async def drop_tail(self, params: dict[str, Any]) -> None:
+        """Free the partial last chunk a prefill left for a decode that will never come."""
+        url, ns, tail = params.get("kvstore_url"), params.get("namespace"), params.get("tail_id")
+        if not (isinstance(url, str) and isinstance(ns, str) and isinstance(tail, str)):
+            return
+        try:
+            await self._client(url).drop_tail(ns, tail)
+            log.debug("dropped tail %s at %s", tail, url)
+        except Exception as exc:
+            log.warning("could not drop tail %s at %s (it expires by TTL): %s", tail, url, exc)
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()

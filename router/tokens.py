@@ -1,0 +1,115 @@
+"""Prompt token ids on the router, for the decisions that depend on them.
+
+Two decisions need the prompt's tokens before any worker has seen it: whether the
+prompt is long enough to be worth a prefill leg (`--pd-min-prompt-tokens`) and how
+much of it the KV store already holds (prefix-aware routing, skipping prefill for a
+cached prompt). The tokenizer is loaded locally (transformers, from the model folder
+the workers serve) once, off the event loop; until it is loaded, or when it cannot
+be, a worker's /tokenize answers instead. Either way the ids only steer routing: the
+prompt a worker runs is always the one it renders itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import httpx
+import msgspec
+
+log = logging.getLogger("pdserve.router.tokens")
+
+Route = str  # "chat" | "completions"
+
+# Request fields that change how a chat prompt renders, as vLLM's /tokenize accepts them.
+_CHAT_RENDER_FIELDS = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+                       "documents", "chat_template")
+
+
+def _load(path: str) -> Any:
+    from transformers import AutoTokenizer  # heavy import, done once in a worker thread
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class PromptTokens:
+    def __init__(self, http: httpx.AsyncClient, headers: dict[str, str], tokenizer_path: str | None) -> None:
+        self.http = http
+        self.headers = headers
+        self.tokenizer_path = tokenizer_path
+        self._loading: dict[str, asyncio.Task] = {}
+
+    def _path_for(self, model: str | None) -> str | None:
+        if self.tokenizer_path:
+            return self.tokenizer_path
+        if model and os.path.isdir(model):
+            return model
+        return None
+
+    def prepare(self, model: str | None) -> None:
+        """Start loading the tokenizer for `model` in the background (idempotent)."""
+        path = self._path_for(model)
+        if path and path not in self._loading:
+            self._loading[path] = asyncio.create_task(asyncio.to_thread(_load, path), name=f"tokenizer:{path}")
+
+    def _local(self, model: str | None) -> Any | None:
+        path = self._path_for(model)
+        task = self._loading.get(path) if path else None
+        if task is None or not task.done() or task.cancelled():
+            self.prepare(model)
+            return None
+        if task.exception() is not None:
+            return None
+        return task.result()
+
+    async def ids(self, route: Route, body: dict[str, Any], worker_url: str) -> list[int] | None:
+        """The prompt's token ids, or None when neither the local tokenizer nor the worker can say."""
+        prompt = body.get("prompt")
+        if route == "completions" and isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            return prompt
+        tok = self._local(body.get("model"))
+        if tok is not None:
+            try:
+                return self._encode_locally(tok, route, body)
+            except Exception as exc:  # a template may reject fields; the worker's /tokenize then decides
+                log.debug("local tokenization failed, asking the worker: %s", exc)
+        return await self._remote(route, body, worker_url)
+
+    @staticmethod
+    def _encode_locally(tok: Any, route: Route, body: dict[str, Any]) -> list[int]:
+        if route == "completions":
+            return list(tok.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True)))
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        text = tok.apply_chat_template(
+            body["messages"],
+            tools=body.get("tools"),
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False),
+            tokenize=False,
+            **kwargs,
+        )
+        return list(tok.encode(text, add_special_tokens=body.get("add_special_tokens", False)))
+
+    async def _remote(self, route: Route, body: dict[str, Any], worker_url: str) -> list[int] | None:
+        req: dict[str, Any] = {"model": body.get("model")}
+        if route == "completions":
+            req["prompt"] = body["prompt"]
+        else:
+            req["messages"] = body["messages"]
+            req.update({k: body[k] for k in _CHAT_RENDER_FIELDS if k in body})
+        try:
+            resp = await self.http.post(worker_url + "/tokenize", content=msgspec.json.encode(req), headers=self.headers)
+            if resp.status_code != 200:
+                return None
+            tokens = msgspec.json.decode(resp.content).get("tokens")
+            return tokens if isinstance(tokens, list) else None
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            log.debug("worker /tokenize failed: %s", exc)
+            return None
+
+    async def stop(self) -> None:
+        for task in self._loading.values():
+            task.cancel()
+        await asyncio.gather(*self._loading.values(), return_exceptions=True)

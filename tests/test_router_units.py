@@ -1,0 +1,212 @@
+"""Unit tests of the router's pure parts: config, request checks, policies, pool admission, errors.
+
+No engines here: these pin the rules (which worker is picked, when 429, which 400)
+cheaply, so the engine tests can stay few.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from pdserve.router.config import RouterConfig, config_from_args
+from pdserve.router.errors import RouterError
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pd_flow import _has_token, prefill_body
+from pdserve.router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
+from pdserve.router.pool import Pool, RouteContext, Worker
+from pdserve.router.requests import validate
+
+
+def _pool(role: str = "decode", n: int = 2, **cfg: object) -> Pool:
+    config = RouterConfig(decode_urls=("http://d",), **cfg)  # type: ignore[arg-type]
+    pool = Pool(role, config, RouterMetrics())  # type: ignore[arg-type]
+    pool.add_static(f"http://w{i}" for i in range(n))
+    for w in pool.workers.values():
+        pool.set_health(w, True)
+    return pool
+
+
+def _ctx(tokens: int = 10, **prefix: int) -> RouteContext:
+    return RouteContext(model=None, prompt_tokens=tokens, prefix_tokens=dict(prefix))
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_parses_the_documented_flags() -> None:
+    cfg = config_from_args(
+        ["--port", "9000", "--prefill", "http://p1/", "http://p2", "--decode", "http://d1",
+         "--prefill-policy", "prefix-aware", "--decode-policy", "round-robin", "--pd-min-prompt-tokens", "0",
+         "--api-key", "k", "--max-inflight-per-worker", "2", "--max-queue", "0"]
+    )
+    assert cfg.port == 9000
+    assert cfg.prefill_urls == ("http://p1", "http://p2")
+    assert (cfg.prefill_policy, cfg.decode_policy) == ("prefix-aware", "round-robin")
+    assert (cfg.pd_min_prompt_tokens, cfg.api_key, cfg.max_queue) == (0, "k", 0)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # no decode worker and no Redis
+        ["--decode", "localhost:8000"],  # not a URL
+        ["--decode", "http://d", "--max-inflight-per-worker", "0"],
+        ["--decode", "http://d", "--prefill-policy", "random"],
+    ],
+)
+def test_config_rejects_bad_flags(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(argv)
+    assert exc.value.code == 2
+
+
+# ---------------------------------------------------------------- request checks
+
+
+@pytest.mark.parametrize(
+    "route, raw, param",
+    [
+        ("chat", b"{not json", None),
+        ("chat", b"[1, 2]", None),
+        ("chat", b'{"messages": "hi"}', "messages"),
+        ("chat", b'{"messages": []}', "messages"),
+        ("chat", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}', "max_tokens"),
+        ("chat", b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "stream"),
+        ("chat", b'{"messages": [{"role": "user", "content": "x"}], "model": 3}', "model"),
+        ("completions", b'{"prompt": 5}', "prompt"),
+        ("completions", b'{"prompt": [1, "a"]}', "prompt"),
+        ("completions", b'{"prompt": "x", "n": -1}', "n"),
+    ],
+)
+def test_validate_gives_400_naming_the_field(route: str, raw: bytes, param: str | None) -> None:
+    with pytest.raises(RouterError) as exc:
+        validate(route, raw)
+    assert exc.value.status == 400
+    assert exc.value.param == param
+    err = msgspec.json.decode(exc.value.body())["error"]
+    assert err["code"] == 400 and err["type"] == "BadRequestError" and err["message"]
+
+
+def test_validate_accepts_every_prompt_form_and_keeps_unknown_fields() -> None:
+    for prompt in ("x", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        assert validate("completions", msgspec.json.encode({"prompt": prompt}))["prompt"] == prompt
+    body = validate("chat", b'{"messages": [{"role": "user", "content": "x"}], "tools": [], "seed": 1}')
+    assert body["tools"] == [] and body["seed"] == 1
+
+
+# ---------------------------------------------------------------- policies
+
+
+def test_least_loaded_prefers_fewer_requests_then_fewer_tokens() -> None:
+    a, b, c = (Worker(id=n, role="decode", url=n, source="static") for n in "abc")
+    a.inflight, b.inflight, c.inflight = 2, 1, 1
+    b.inflight_tokens, c.inflight_tokens = 500, 100
+    assert LeastLoaded().choose([a, b, c], _ctx()) is c
+
+
+def test_round_robin_cycles_in_id_order() -> None:
+    ws = [Worker(id=n, role="decode", url=n, source="static") for n in "cab"]
+    rr = RoundRobin()
+    assert [rr.choose(ws, _ctx()).id for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_prefix_aware_picks_the_longest_stored_prefix_then_least_loaded() -> None:
+    a, b, c = (Worker(id=n, role="prefill", url=n, source="static", kvstore_url=f"tcp://{n}") for n in "abc")
+    a.inflight = 0
+    b.inflight, c.inflight = 3, 1
+    ctx = _ctx(**{"tcp://a": 0, "tcp://b": 512, "tcp://c": 512})
+    assert PrefixAware().choose([a, b, c], ctx) is c
+    assert PrefixAware().choose([a, b, c], _ctx()) is a  # nothing stored: least-loaded
+
+
+def test_make_policy_knows_every_cli_name() -> None:
+    for name in ("least-loaded", "round-robin", "prefix-aware"):
+        assert make_policy(name) is not None  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- pool admission
+
+
+async def test_pool_queues_then_refuses_with_429_and_retry_after() -> None:
+    pool = _pool(n=1, max_inflight_per_worker=1, max_queue=1, queue_timeout=30.0)
+    policy = LeastLoaded()
+    first = await pool.acquire(policy, _ctx())
+    waiter = asyncio.create_task(pool.acquire(policy, _ctx()))
+    await asyncio.sleep(0)  # let it enter the queue
+    assert pool.waiting == 1
+    with pytest.raises(RouterError) as exc:
+        await pool.acquire(policy, _ctx())
+    assert exc.value.status == 429 and exc.value.headers["Retry-After"] == "1"
+    first.release(True)
+    second = await asyncio.wait_for(waiter, 5)
+    assert second.worker is first.worker and pool.waiting == 0
+    second.release(True)
+    assert first.worker.inflight == 0 and first.worker.inflight_tokens == 0
+
+
+async def test_queue_timeout_gives_429() -> None:
+    pool = _pool(n=1, max_inflight_per_worker=1, max_queue=4, queue_timeout=0.05)
+    lease = await pool.acquire(LeastLoaded(), _ctx())
+    with pytest.raises(RouterError) as exc:
+        await pool.acquire(LeastLoaded(), _ctx())
+    assert exc.value.status == 429
+    lease.release(True)
+
+
+async def test_breaker_opens_after_repeated_failures_and_hard_failure_marks_down() -> None:
+    pool = _pool(n=2, breaker_failures=2, breaker_cooldown=60.0)
+    w0, w1 = pool.workers.values()
+    for _ in range(2):
+        lease = await pool.acquire(LeastLoaded(), _ctx(), exclude={w1.id})
+        lease.release(False)
+    assert [w.id for w in pool.candidates(None)] == [w1.id]
+    pool.set_health(w0, True)  # a passing health check cannot close the breaker before the cooldown
+    assert w0 not in pool.candidates(None)
+    lease = await pool.acquire(LeastLoaded(), _ctx())
+    assert lease.worker is w1
+    lease.release(False, hard=True)
+    with pytest.raises(RouterError) as exc:
+        await pool.acquire(LeastLoaded(), _ctx())
+    assert exc.value.status == 503
+    pool.set_health(w1, True)
+    assert pool.candidates(None) == [w1]
+
+
+def test_unknown_model_is_404_once_models_are_known() -> None:
+    pool = _pool(n=1)
+    (w,) = pool.workers.values()
+    pool.check_model("anything")  # not known yet: the worker decides
+    w.model_cards = [{"id": "m1", "object": "model"}]
+    pool.check_model("m1")
+    with pytest.raises(RouterError) as exc:
+        pool.check_model("m2")
+    assert exc.value.status == 404 and exc.value.param == "model"
+
+
+# ---------------------------------------------------------------- stream parsing and prefill body
+
+
+def test_first_token_detection_skips_the_role_chunk() -> None:
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+    assert not _has_token(role)
+    assert not _has_token(role + token[:20])  # incomplete event
+    assert _has_token(role + token)
+    assert _has_token(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')
+    assert _has_token(b'data: {"error":{"message":"x"}}\n\n')
+    assert _has_token(b"data: [DONE]\n\n")
+
+
+def test_prefill_body_is_one_unstreamed_token_with_remote_decode() -> None:
+    body = {"model": "m", "messages": [], "stream": True, "stream_options": {"include_usage": True},
+            "max_completion_tokens": 50, "min_tokens": 5, "n": 2, "seed": 7, "tools": [{"type": "function"}]}
+    sent = prefill_body(body)
+    assert sent["max_tokens"] == 1 and sent["stream"] is False
+    assert sent["kv_transfer_params"] == {"do_remote_decode": True}
+    assert sent["return_token_ids"] is True
+    for dropped in ("stream_options", "max_completion_tokens", "min_tokens", "n"):
+        assert dropped not in sent
+    assert sent["seed"] == 7 and sent["tools"] == body["tools"]
