@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO, Mapping, Sequence
 
@@ -67,11 +68,24 @@ def signal_group(popen: subprocess.Popen, sig: signal.Signals) -> None:
         pass
 
 
+def group_alive(pgid: int) -> bool:
+    """True while any process (a zombie included) is left in the process group."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def stop_group(popen: subprocess.Popen, timeout_s: float, name: str = "") -> int | None:
     """SIGTERM the group, SIGKILL it after timeout_s; always SIGKILL leftovers. Idempotent.
 
     The final SIGKILL is unconditional because a leader can exit on SIGTERM while a
-    grandchild (an engine core) that ignored it still runs in the group.
+    grandchild (an engine core) that ignored it still runs in the group. Returns only
+    once the group is empty (or 10 s after SIGKILL), so a caller that exits next
+    leaves nothing behind.
     """
     if popen.poll() is None:
         signal_group(popen, signal.SIGTERM)
@@ -80,8 +94,10 @@ def stop_group(popen: subprocess.Popen, timeout_s: float, name: str = "") -> int
         except subprocess.TimeoutExpired:
             log.warning("%s (pid %d) still running %.0f s after SIGTERM; killing it", name or "child", popen.pid, timeout_s)
     signal_group(popen, signal.SIGKILL)
-    try:
-        popen.wait(5.0)
-    except subprocess.TimeoutExpired:
-        log.error("%s (pid %d) survived SIGKILL", name or "child", popen.pid)
+    deadline = time.monotonic() + 10.0
+    while popen.poll() is None or group_alive(popen.pid):
+        if time.monotonic() > deadline:
+            log.error("%s (pid %d): processes survived SIGKILL", name or "child", popen.pid)
+            break
+        time.sleep(0.05)
     return popen.returncode
