@@ -1,0 +1,221 @@
+"""PDServeConnector: stock vLLM engines hand KV to each other through the pdserve KV store.
+
+Loaded by name once the `pdserve` vLLM plugin is installed:
+
+    --kv-transfer-config '{"kv_connector":"PDServeConnector","kv_role":"kv_producer",
+                           "kv_connector_extra_config":{"kvstore_url":"tcp://127.0.0.1:5556"}}'
+
+Roles: kv_producer saves every full prompt chunk the store lacks (and, for a P/D
+request, the partial tail); kv_consumer loads; kv_both does both, so a decode worker
+can also prefill locally and reuse prefixes. The scheduler half (connector_scheduler)
+plans, the worker half (connector_worker) moves bytes; this module wires them into
+vLLM's KVConnectorBase_V1 / SupportsHMA interface and runs the start-up checks.
+
+Extra config keys: kvstore_url (required), auth_token, handoff_wait_s (how long a
+decode waits for chunks a prefill is still uploading, default 10).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowSpec
+
+from pdserve.kvstore.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.connector_plan import GroupGeometry
+from pdserve.kvstore.connector_scheduler import SchedulerSide, StepMeta
+from pdserve.kvstore.connector_worker import GroupCache, WorkerIO
+from pdserve.kvstore.layout import KVGroupLayout, KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("pdserve.connector")
+
+
+class ConnectorConfigError(RuntimeError):
+    """A start-up check failed; the message names the fix."""
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError, RuntimeError):
+        return 0
+
+
+def describe_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> tuple[KVLayout, bool]:
+    """The KV layout that decides the namespace, and whether every TP rank holds the same bytes (MLA)."""
+    groups = []
+    all_mla = True
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        is_mla = isinstance(spec, MLAAttentionSpec)
+        all_mla &= is_mla
+        dtype = getattr(spec, "cache_dtype_str", None) or str(spec.dtype).removeprefix("torch.")
+        groups.append(
+            KVGroupLayout(
+                name=f"{i}:{type(spec).__name__}",
+                dtype=dtype,
+                bytes_per_token=spec.page_size_bytes // spec.block_size,
+                block_size=spec.block_size,
+                num_layers=len(group.layer_names),
+                sliding_window=spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None,
+            )
+        )
+    par = vllm_config.parallel_config
+    parallel = "mla" if all_mla else f"tp{par.tensor_parallel_size}-rank{_tp_rank()}"
+    model = vllm_config.model_config.served_model_name or vllm_config.model_config.model
+    if isinstance(model, list):
+        model = model[0]
+    return KVLayout(model=str(model), groups=tuple(groups), parallel=parallel), all_mla
+
+
+def check_geometry(layout: KVLayout, chunk_size: int, retention_interval: int | None) -> None:
+    """Start-up checks whose failure would otherwise show up as wrong tokens later."""
+    for g in layout.groups:
+        if chunk_size % g.block_size:
+            raise ConnectorConfigError(
+                f"the KV store's chunk size {chunk_size} is not a multiple of KV group {g.name}'s block size "
+                f"{g.block_size}: restart the store with --chunk-size {g.block_size * max(1, chunk_size // g.block_size)} "
+                f"(or another multiple of {g.block_size})"
+            )
+    if any(g.sliding_window for g in layout.groups):
+        if retention_interval is not None and (retention_interval <= 0 or chunk_size % retention_interval):
+            raise ConnectorConfigError(
+                f"this model has sliding-window KV groups: pass --prefix-cache-retention-interval N with N dividing "
+                f"the store's chunk size {chunk_size} (e.g. --prefix-cache-retention-interval {chunk_size}); "
+                f"got {retention_interval}"
+            )
+
+
+class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        url = ktc.get_from_extra_config("kvstore_url", None)
+        if not url:
+            raise ConnectorConfigError(
+                'PDServeConnector needs kv_connector_extra_config {"kvstore_url": "tcp://HOST:5556"}'
+            )
+        token = ktc.get_from_extra_config("auth_token", None)
+        # A chunk that fails to load is recomputed, never served as wrong tokens and never fatal.
+        ktc.kv_load_failure_policy = "recompute"
+        try:
+            with KVStoreClient(url, auth_token=token, timeout_s=10.0) as client:
+                chunk_size = client.info().chunk_size
+                self.layout, self.is_mla = describe_layout(vllm_config, kv_cache_config)
+                check_geometry(self.layout, chunk_size, vllm_config.cache_config.prefix_cache_retention_interval)
+                self.namespace = client.register_layout(self.layout)
+        except KVStoreError as exc:
+            raise ConnectorConfigError(
+                f"PDServeConnector cannot reach the KV store at {url} ({exc}): start it with "
+                f"`pdserve kvstore --port PORT` or fix kv_connector_extra_config.kvstore_url"
+            ) from exc
+        self.chunk_size = chunk_size
+        self.multi_group = len(kv_cache_config.kv_cache_groups) > 1
+        saves, loads = ktc.is_kv_producer, ktc.is_kv_consumer
+        log.info("PDServeConnector %s role=%s namespace=%s chunk=%d", role.name, ktc.kv_role, self.namespace, chunk_size)
+        self.sched: SchedulerSide | None = None
+        self.io: WorkerIO | None = None
+        self._url, self._token, self._saves = url, token, saves
+        if role == KVConnectorRole.SCHEDULER:
+            geometries = [GroupGeometry(g.block_size, g.sliding_window) for g in self.layout.groups]
+            wait_s = float(ktc.get_from_extra_config("handoff_wait_s", 10.0))
+            self.sched = SchedulerSide(url, self.namespace, chunk_size, geometries, token, saves, loads, wait_s)
+        self._load_errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+
+    # ---------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        groups = [
+            GroupCache([kv_caches[name] for name in group.layer_names])
+            for group in self._kv_cache_config.kv_cache_groups
+        ]
+        # MLA KV is the same on every TP rank: rank 0 writes it once, every rank loads it.
+        writes = self._saves and (not self.is_mla or _tp_rank() == 0)
+        self.io = WorkerIO(self._url, self.namespace, groups, self._token, writes)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMeta) and self.io is not None
+        for job in meta.loads:
+            self.io.load(job)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # whole chunks are copied out once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMeta) and self.io is not None
+        for job in meta.saves:
+            self.io.save(job)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        if self.io is None:
+            return results
+        for outcome in self.io.finished_loads():
+            results.finished_recving.add(outcome.req_id)
+            if outcome.ok:
+                continue
+            # Block ids are only unique within a group: with several groups vLLM takes
+            # failures per request (recompute from scratch), with one group per block.
+            if self.multi_group:
+                results.failed_recving.add(outcome.req_id)
+            else:
+                self._load_errors |= outcome.failed_block_ids
+        return results
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.io is not None:
+            self.io.close()
+
+    # ------------------------------------------------------------- scheduler
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.sched is not None
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.sched is not None
+        self.sched.update_state_after_alloc(request, [list(b) for b in blocks.get_block_ids()], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.sched is not None
+        return self.sched.build_meta(scheduler_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.sched is not None
+        return False, self.sched.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.sched is not None
+        return False, self.sched.request_finished(request)

@@ -1,0 +1,101 @@
+"""Which blocks of which KV group each store object covers.
+
+Pure arithmetic, shared by the scheduler half (which plans loads and saves) and the
+worker half (which moves the bytes), so both agree on every object's extent without
+sending it over the wire.
+
+An object is one (KV group, chunk) pair, or one KV group of a request's tail (the
+final partial chunk). A full-attention group's object holds the blocks of its own
+chunk. A sliding-window group's object holds only the window that ends at the
+object's end (chunk-aligned retention): that is all a decode resuming at that
+boundary reads, so resuming at any chunk boundary is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TAIL = None  # the `key` of a tail object
+
+
+@dataclass(frozen=True)
+class GroupGeometry:
+    """What the planner needs to know of one KV cache group."""
+
+    block_size: int
+    sliding_window: int | None = None
+
+    def block_span(self, start_token: int, end_token: int) -> tuple[int, int]:
+        """Block indexes [first, last) that hold tokens [start_token, end_token)."""
+        first = start_token // self.block_size
+        last = -(-end_token // self.block_size)
+        return first, last
+
+    def object_span(self, chunk_start: int, end_token: int) -> tuple[int, int]:
+        """Blocks an object ending at `end_token` carries.
+
+        Full attention: its own tokens from `chunk_start`. Sliding window: the window
+        before `end_token` (one token of slack for either window convention), which may
+        reach back into earlier chunks.
+        """
+        if self.sliding_window is None:
+            return self.block_span(chunk_start, end_token)
+        return self.block_span(max(0, end_token - self.sliding_window - 1), end_token)
+
+
+@dataclass
+class ObjectSpec:
+    """One object to move: its group, its chunk key (None for a tail) and its blocks."""
+
+    group: int
+    key: bytes | None
+    block_ids: list[int]
+    skip_blocks: int = 0  # leading blocks already valid locally: loaded bytes are not written there
+
+
+@dataclass
+class TransferJob:
+    """All objects of one request that move in one step, in one direction."""
+
+    req_id: str
+    objects: list[ObjectSpec] = field(default_factory=list)
+    tail_id: str | None = None
+    wait_s: float = 0.0  # loads: how long to wait for objects a producer promised
+
+
+def plan_objects(
+    geometries: list[GroupGeometry],
+    block_ids: list[list[int]],
+    keys: list[bytes],
+    chunk_size: int,
+    first_chunk: int,
+    num_chunks: int,
+    tail_end: int | None,
+    computed_tokens: int = 0,
+    last_only_for_sliding: bool = False,
+) -> list[ObjectSpec]:
+    """Objects for chunks [first_chunk, num_chunks) and, if `tail_end`, the tail.
+
+    `block_ids` holds the request's block table per group. `computed_tokens` marks
+    blocks that are already valid locally (loads skip writing them). With
+    `last_only_for_sliding`, a sliding-window group gets only its last object: a load
+    needs just the window at the point where it resumes.
+    """
+    specs: list[ObjectSpec] = []
+    ends: list[tuple[bytes | None, int, int]] = [
+        (keys[i], i * chunk_size, (i + 1) * chunk_size) for i in range(first_chunk, num_chunks)
+    ]
+    if tail_end is not None:
+        ends.append((TAIL, num_chunks * chunk_size, tail_end))
+    for group, geo in enumerate(geometries):
+        group_ends = ends[-1:] if (last_only_for_sliding and geo.sliding_window is not None) else ends
+        for key, start, end in group_ends:
+            first, last = geo.object_span(start, end)
+            ids = block_ids[group][first:last]
+            if len(ids) != last - first:
+                raise ValueError(
+                    f"group {group}: request has {len(block_ids[group])} blocks, object needs [{first}, {last})"
+                )
+            skip = max(0, min(last, computed_tokens // geo.block_size) - first)
+            specs.append(ObjectSpec(group=group, key=key, block_ids=list(ids), skip_blocks=skip))
+    return specs

@@ -1,0 +1,247 @@
+"""The scheduler half of PDServeConnector: decides what to load and what to save.
+
+It sees whole requests (token ids, kv_transfer_params, block tables) but no KV bytes.
+Each step it hands the workers a `StepMeta` listing the objects to load into which
+blocks and the objects to copy out of which blocks.
+
+Loads are asynchronous (vLLM's waiting-for-remote-KV path): `get_num_new_matched_tokens`
+answers (n, True), vLLM allocates blocks, and the request waits until the workers
+report it received.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from pdserve.kvstore.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.connector_plan import GroupGeometry, TransferJob, plan_objects
+from pdserve.kvstore.keys import chunk_keys
+
+log = logging.getLogger("pdserve.connector")
+
+PARAMS_TAG = "pdserve"
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    """What the workers move in one step."""
+
+    loads: list[TransferJob] = field(default_factory=list)
+    saves: list[TransferJob] = field(default_factory=list)
+
+
+@dataclass
+class LoadPlan:
+    """What get_num_new_matched_tokens promised for one request."""
+
+    num_chunks: int
+    load_end: int  # tokens loadable from the store (prompt length - 1 at most)
+    tail_id: str | None
+    wait_s: float
+
+
+@dataclass
+class ReqState:
+    """Scheduler-side bookkeeping of one live request."""
+
+    prompt: list[int]
+    keys: list[bytes]
+    remote_decode: bool
+    chunks_in_store: int = 0
+    chunks_saved: int = 0
+    tail_id: str | None = None
+    tail_saved: bool = False
+    block_ids: list[list[int]] = field(default_factory=list)
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        chunk_size: int,
+        geometries: list[GroupGeometry],
+        auth_token: str | None,
+        saves: bool,
+        loads: bool,
+        handoff_wait_s: float,
+    ):
+        self.url = url
+        self.namespace = namespace
+        self.chunk_size = chunk_size
+        self.geometries = geometries
+        self.groups = list(range(len(geometries)))
+        self.saves = saves
+        self.loads = loads
+        self.handoff_wait_s = handoff_wait_s
+        self.client = KVStoreClient(url, auth_token=auth_token)
+        self.reqs: dict[str, ReqState] = {}
+        self.plans: dict[str, LoadPlan] = {}
+        self.pending_loads: list[TransferJob] = []
+
+    # matching ---------------------------------------------------------------
+    def _state(self, request: Any) -> ReqState:
+        state = self.reqs.get(request.request_id)
+        if state is None:
+            prompt = list(request.prompt_token_ids or [])
+            params = request.kv_transfer_params or {}
+            state = ReqState(
+                prompt=prompt,
+                keys=chunk_keys(self.namespace, prompt, self.chunk_size, getattr(request, "cache_salt", None)),
+                remote_decode=bool(params.get("do_remote_decode")),
+            )
+            self.reqs[request.request_id] = state
+        return state
+
+    def _lookup(self, keys: list[bytes]) -> int:
+        if not keys:
+            return 0
+        try:
+            return self.client.lookup(self.namespace, keys, self.groups)
+        except KVStoreError as exc:
+            log.warning("store lookup failed, recomputing: %s", exc)
+            return 0
+
+    def _handoff_plan(self, state: ReqState, params: dict) -> LoadPlan | None:
+        """The producer's promise, if it was made for exactly this prompt in our namespace."""
+        if params.get(PARAMS_TAG) != 1 or params.get("namespace") != self.namespace:
+            return None
+        promised = [bytes.fromhex(k) for k in params.get("chunk_keys", [])]
+        if promised != state.keys[: len(promised)] or params.get("num_tokens") != len(state.prompt):
+            log.warning("kv_transfer_params do not match this prompt; ignoring them")
+            return None
+        tail_id = params.get("tail_id")
+        end = len(promised) * self.chunk_size
+        if tail_id:
+            end = len(state.prompt)
+        return LoadPlan(len(promised), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        state = self._state(request)
+        if request.request_id in self.plans:
+            plan = self.plans[request.request_id]
+        else:
+            plan = self._handoff_plan(state, request.kv_transfer_params or {}) if self.loads else None
+            if plan is None:
+                found = self._lookup(state.keys)
+                state.chunks_in_store = found
+                plan = LoadPlan(found, min(found * self.chunk_size, len(state.prompt) - 1), None, 0.0)
+            else:
+                state.chunks_in_store = plan.num_chunks
+            if not self.loads:
+                plan = LoadPlan(0, 0, None, 0.0)
+            self.plans[request.request_id] = plan
+        new = plan.load_end - num_computed
+        return (new, True) if new > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[list[int]], num_external: int) -> None:
+        if num_external <= 0:
+            return
+        plan = self.plans[request.request_id]
+        state = self._state(request)
+        num_computed = plan.load_end - num_external
+        tail_end = len(state.prompt) if plan.tail_id else None
+        objects = plan_objects(
+            self.geometries,
+            block_ids,
+            state.keys,
+            self.chunk_size,
+            first_chunk=num_computed // self.chunk_size,
+            num_chunks=plan.num_chunks,
+            tail_end=tail_end,
+            computed_tokens=num_computed,
+            last_only_for_sliding=True,
+        )
+        self.pending_loads.append(TransferJob(request.request_id, objects, plan.tail_id, plan.wait_s))
+
+    # saving -----------------------------------------------------------------
+    def _save_job(self, req_id: str, state: ReqState, computed_end: int) -> TransferJob | None:
+        """Objects that became complete by `computed_end` and that the store lacks."""
+        prompt_len = len(state.prompt)
+        done = min(computed_end, prompt_len) // self.chunk_size
+        first = max(state.chunks_saved, state.chunks_in_store)
+        needs_tail = (
+            state.remote_decode
+            and not state.tail_saved
+            and computed_end >= prompt_len
+            and prompt_len % self.chunk_size != 0
+        )
+        if done <= first and not needs_tail:
+            return None
+        tail_id = f"{req_id}-{uuid.uuid4().hex[:8]}" if needs_tail else None
+        objects = plan_objects(
+            self.geometries,
+            state.block_ids,
+            state.keys,
+            self.chunk_size,
+            first_chunk=first,
+            num_chunks=max(done, first),
+            tail_end=prompt_len if needs_tail else None,
+        )
+        state.chunks_saved = max(done, first)
+        if needs_tail:
+            state.tail_saved, state.tail_id = True, tail_id
+        return TransferJob(req_id, objects, tail_id)
+
+    def build_meta(self, scheduler_output: Any) -> StepMeta:
+        meta = StepMeta(loads=self.pending_loads)
+        self.pending_loads = []
+        if not self.saves:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = [list(ids) for ids in new.block_ids]
+            job = self._save_job(new.req_id, state, new.num_computed_tokens + scheduled[new.req_id])
+            if job:
+                meta.saves.append(job)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.reqs.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    state.block_ids = [list(ids) for ids in new_ids]
+                else:
+                    for group, ids in enumerate(new_ids):
+                        state.block_ids[group].extend(ids)
+            job = self._save_job(req_id, state, cached.num_computed_tokens[i] + scheduled[req_id])
+            if job:
+                meta.saves.append(job)
+        return meta
+
+    # finishing --------------------------------------------------------------
+    def request_finished(self, request: Any) -> dict[str, Any] | None:
+        """Forget the request; for a P/D prefill return the params the decode side needs."""
+        state = self.reqs.pop(request.request_id, None)
+        self.plans.pop(request.request_id, None)
+        if state is None or not state.remote_decode or not self.saves:
+            return None
+        if request.is_finished() and str(request.status).endswith("ABORTED"):
+            if state.tail_id:
+                self._drop_tail(state.tail_id)
+            return None
+        return {
+            PARAMS_TAG: 1,
+            "kvstore_url": self.url,
+            "namespace": self.namespace,
+            "chunk_size": self.chunk_size,
+            "chunk_keys": [k.hex() for k in state.keys],
+            "num_tokens": len(state.prompt),
+            "tail_id": state.tail_id,
+        }
+
+    def _drop_tail(self, tail_id: str) -> None:
+        try:
+            self.client.drop_tail(self.namespace, tail_id)
+        except KVStoreError as exc:
+            log.warning("could not drop tail %s (the store's TTL will): %s", tail_id, exc)

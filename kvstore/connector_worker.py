@@ -1,0 +1,230 @@
+"""The worker half of PDServeConnector: moves KV bytes between the paged cache and the store.
+
+Saves gather the blocks out of the paged cache inside `wait_for_save` (so the blocks
+are free as soon as the step ends) and upload on a background thread. Loads run on
+another background thread: fetch the objects, check every size, scatter into the
+blocks vLLM allocated, then report the request as received. A missing or corrupt
+object is a load error for exactly the blocks it covers, never data.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from pdserve.kvstore.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.connector_plan import ObjectSpec, TransferJob
+
+log = logging.getLogger("pdserve.connector")
+
+LOAD_POLL_S = 0.02
+NULL_BLOCK = 0
+
+
+def _paged_ops() -> tuple[Callable, Callable] | None:
+    """pdserve.kernels' single-launch gather/scatter when present (CUDA), else None."""
+    try:
+        from pdserve.kernels import paged
+    except ImportError:
+        return None
+    return paged.gather, paged.scatter
+
+
+class GroupCache:
+    """One KV cache group's layers as uint8 views [num_blocks, bytes_per_block].
+
+    vLLM hands every backend's cache to connectors block-major (the block index is the
+    leading dimension), so one block of one layer is one contiguous byte row whatever
+    the dtype: bf16 MLA latents on the CPU, fp8_ds_mla pages on the GPU.
+    """
+
+    def __init__(self, layers: list[torch.Tensor]):
+        if not layers:
+            raise ValueError("a KV group without layers")
+        num_blocks = layers[0].shape[0]
+        self.views = []
+        for t in layers:
+            if t.shape[0] != num_blocks or not t.is_contiguous():
+                raise ValueError(
+                    f"PDServeConnector needs block-major contiguous KV caches, got shape {tuple(t.shape)}"
+                )
+            self.views.append(t.view(torch.uint8).view(num_blocks, -1))
+        self.bytes_per_block = self.views[0].shape[1]
+        self.device = self.views[0].device
+        self._ops = _paged_ops() if self.device.type == "cuda" else None
+
+    def object_bytes(self, num_blocks: int) -> int:
+        return len(self.views) * num_blocks * self.bytes_per_block
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """Layer-major bytes [num_layers, len(block_ids), bytes_per_block] on the CPU."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        if self._ops is not None:
+            out = self._ops[0]([v.unsqueeze(1) for v in self.views], idx)
+            return out.reshape(len(self.views), len(block_ids), -1).cpu()
+        out = torch.empty((len(self.views), len(block_ids), self.bytes_per_block), dtype=torch.uint8)
+        for layer, view in enumerate(self.views):
+            torch.index_select(view, 0, idx, out=out[layer])
+        return out
+
+    def scatter(self, payload: memoryview, block_ids: list[int], skip: int) -> None:
+        """Write a gathered object back, leaving its first `skip` blocks untouched."""
+        src = torch.frombuffer(payload, dtype=torch.uint8).view(len(self.views), len(block_ids), -1)
+        src = src[:, skip:]
+        ids = block_ids[skip:]
+        if not ids:
+            return
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        src = src.to(self.device, non_blocking=False)
+        if self._ops is not None:
+            self._ops[1](src.contiguous(), [v.unsqueeze(1) for v in self.views], idx)
+            return
+        for layer, view in enumerate(self.views):
+            view.index_copy_(0, idx, src[layer])
+
+
+@dataclass
+class LoadOutcome:
+    req_id: str
+    failed_block_ids: set[int] = field(default_factory=set)
+    ok: bool = True
+
+
+class WorkerIO:
+    """Background save and load threads for one worker process, each with its own client."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        groups: list[GroupCache],
+        auth_token: str | None,
+        writes: bool,
+    ):
+        self.url = url
+        self.namespace = namespace
+        self.groups = groups
+        self.auth_token = auth_token
+        self.writes = writes
+        self._saves: queue.Queue[tuple[TransferJob, list[torch.Tensor]] | None] = queue.Queue()
+        self._loads: queue.Queue[TransferJob | None] = queue.Queue()
+        self._done: queue.Queue[LoadOutcome] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._save_loop, name="pdserve-save", daemon=True),
+            threading.Thread(target=self._load_loop, name="pdserve-load", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _client(self) -> KVStoreClient:
+        return KVStoreClient(self.url, auth_token=self.auth_token)
+
+    # saves ----------------------------------------------------------------
+    def save(self, job: TransferJob) -> None:
+        """Copy the job's blocks out now (they may be reused after this step), upload later."""
+        if not self.writes:
+            return
+        # Block 0 is vLLM's null block: a sliding-window group's released blocks point
+        # there. An object over it holds no KV, so it is not saved (a later lookup just
+        # stops at that chunk).
+        job.objects = [o for o in job.objects if NULL_BLOCK not in o.block_ids]
+        buffers = [self.groups[o.group].gather(o.block_ids) for o in job.objects]
+        self._saves.put((job, buffers))
+
+    def _save_loop(self) -> None:
+        client: KVStoreClient | None = None
+        while (item := self._saves.get()) is not None:
+            job, buffers = item
+            try:
+                client = client or self._client()
+                chunks = [(o.group, o.key, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is not None]
+                if chunks:
+                    stored = client.put(self.namespace, chunks)
+                    if not all(stored):
+                        log.warning("store refused %d of %d chunks of %s", stored.count(False), len(stored), job.req_id)
+                tail = [(o.group, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is None]
+                if tail and job.tail_id:
+                    client.put_tail(self.namespace, job.tail_id, tail)
+            except KVStoreError as exc:
+                log.warning("save of %s failed: %s", job.req_id, exc)
+                if client is not None:
+                    client.close()
+                client = None
+
+    # loads ----------------------------------------------------------------
+    def load(self, job: TransferJob) -> None:
+        self._loads.put(job)
+
+    def finished_loads(self) -> list[LoadOutcome]:
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _load_loop(self) -> None:
+        client: KVStoreClient | None = None
+        while (job := self._loads.get()) is not None:
+            try:
+                client = client or self._client()
+                outcome = self._load_one(client, job)
+            except KVStoreError as exc:
+                log.warning("load of %s failed: %s", job.req_id, exc)
+                if client is not None:
+                    client.close()
+                client = None
+                outcome = LoadOutcome(job.req_id, {b for o in job.objects for b in o.block_ids[o.skip_blocks:]}, False)
+            self._done.put(outcome)
+
+    def _fetch(self, client: KVStoreClient, job: TransferJob) -> list[memoryview | None]:
+        """Fetch every object, waiting up to job.wait_s for ones a producer is still uploading."""
+        deadline = time.monotonic() + job.wait_s
+        chunk_idx = [i for i, o in enumerate(job.objects) if o.key is not None]
+        tail_idx = [i for i, o in enumerate(job.objects) if o.key is None]
+        got: list[memoryview | None] = [None] * len(job.objects)
+        tail_pending = bool(tail_idx and job.tail_id)
+        while True:
+            missing = [i for i in chunk_idx if got[i] is None]
+            if missing:
+                for i, data in zip(missing, client.get(self.namespace, [(job.objects[i].group, job.objects[i].key) for i in missing])):
+                    got[i] = data
+            if tail_pending:
+                tail = client.get_tail(self.namespace, job.tail_id)
+                if tail is not None:
+                    tail_pending = False
+                    for i in tail_idx:
+                        got[i] = tail.get(job.objects[i].group)
+            if (all(got[i] is not None for i in chunk_idx) and not tail_pending) or time.monotonic() >= deadline:
+                return got
+            time.sleep(LOAD_POLL_S)
+
+    def _load_one(self, client: KVStoreClient, job: TransferJob) -> LoadOutcome:
+        outcome = LoadOutcome(job.req_id)
+        for spec, data in zip(job.objects, self._fetch(client, job)):
+            if not self._write(spec, data):
+                outcome.ok = False
+                outcome.failed_block_ids.update(spec.block_ids[spec.skip_blocks:])
+        return outcome
+
+    def _write(self, spec: ObjectSpec, data: memoryview | None) -> bool:
+        group = self.groups[spec.group]
+        if data is None or NULL_BLOCK in spec.block_ids[spec.skip_blocks:]:
+            return False
+        if len(data) != group.object_bytes(len(spec.block_ids)):
+            log.warning("object of group %d has %d bytes, expected %d", spec.group, len(data), group.object_bytes(len(spec.block_ids)))
+            return False
+        group.scatter(data, spec.block_ids, spec.skip_blocks)
+        return True
+
+    def close(self) -> None:
+        self._saves.put(None)
+        self._loads.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
