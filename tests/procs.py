@@ -24,18 +24,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, Union
 
-# Flags that make a tiny CPU engine start faster and stay small; measured in
-# tests/test_tiny_model.py's engine tests (see the report in the commit log).
+# Flags that keep a tiny CPU engine small and quick to start (measured: see tests/test_tiny_model.py).
+# The KV cache size must be explicit on the CPU (otherwise vLLM reserves 90% of RAM and refuses to
+# start next to other engines); 256 MiB holds ~58k tokens of tiny DeepSeek-V3 MLA KV, ~128k of
+# tiny Gemma-3. The flag is used rather than VLLM_CPU_KVCACHE_SPACE because that env var counts
+# whole GiB (and, when set, overrides the flag). --enforce-eager skips torch.compile.
 ENGINE_ARGS: tuple[str, ...] = (
     "--max-model-len", "4096",
     "--max-num-seqs", "8",
+    "--kv-cache-memory-bytes", str(256 * 2**20),
     "--enforce-eager",
 )
-# VLLM_CPU_KVCACHE_SPACE is in GiB; the default (4 GiB a worker) is far more than tiny models need.
 # vLLM's default binding ("auto") pins every engine's worker to core 0 of this 2-core machine,
 # so a prefill and a decode engine would share one core: let the OS place one thread each.
 ENGINE_ENV: dict[str, str] = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -44,7 +46,8 @@ ENGINE_ENV: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-ENGINE_START_TIMEOUT_S = 240.0
+# Start-up measured 35-170 s depending on how many engines share the 2 cores.
+ENGINE_START_TIMEOUT_S = 360.0
 
 Ready = Union[str, Callable[["Proc"], bool], None]
 
@@ -163,7 +166,9 @@ def start_process(
     """Start argv in a new session with output to a log file, and wait until `ready` holds.
 
     `ready` is a URL (ready when GET answers 2xx), a callable taking the Proc, or None
-    (ready as soon as it started). `env` is added to the current environment. Raises
+    (ready as soon as it started). With `port`, readiness also needs the process (or a
+    child) to hold the listening socket on it, so a stranger on a raced port cannot pass
+    for ours. `env` is added to the current environment. Raises
     ProcessDied with the log tail if the process exits or `timeout` passes first; the
     process is stopped in both cases so a failed start leaks nothing.
     """
@@ -196,7 +201,7 @@ def start_process(
             code = proc.popen.returncode
             proc.stop()
             raise ProcessDied(f"{name} exited with code {code} before it was ready; log {log_path}:\n{proc.log_tail()}", proc)
-        if check(proc):
+        if check(proc) and (port is None or listens_on(proc.pid, port)):
             proc.ready_after_s = time.monotonic() - proc.started_at
             return proc
         if time.monotonic() > deadline:
@@ -205,20 +210,39 @@ def start_process(
         time.sleep(poll_s)
 
 
+def start_on_port(start: Callable[[int], Proc], port: int | None = None, attempts: int = 3) -> Proc:
+    """Run start(port); with no port given, pick free ones and retry if another process took it first.
+
+    free_port() can race with the other test sessions sharing this machine, which
+    also bind fresh ports (vLLM alone opens several); a lost race shows up in the log.
+    """
+    if port is not None:
+        return start(port)
+    for _ in range(attempts - 1):
+        try:
+            return start(free_port())
+        except ProcessDied as exc:
+            if "address already in use" not in exc.proc.log_tail().lower():
+                raise
+    return start(free_port())
+
+
 def start_redis(port: int | None = None) -> Proc:
     """A throwaway redis-server on a free port: no persistence, ready when it answers PING."""
-    port = port or free_port()
 
-    def pong(_p: Proc) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
+    def start(port: int) -> Proc:
+        def pong(_p: Proc) -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+                    sock.sendall(b"PING\r\n")
+                    return sock.recv(64).startswith(b"+PONG")
+            except OSError:
+                return False
 
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    return start_process(argv, pong, name="redis", port=port, timeout=30.0)
+        argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        return start_process(argv, pong, name="redis", port=port, timeout=30.0)
+
+    return start_on_port(start, port)
 
 
 def redis_url(proc: Proc, db: int = 0) -> str:
@@ -243,49 +267,88 @@ def start_vllm_server(
     Uses `python -m vllm.entrypoints.openai.api_server` because the `vllm` console
     script cannot find the `vllm-cpu` distribution's metadata.
     """
-    port = port or free_port()
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--load-format", "dummy",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        *engine_args,
-        *extra_args,
-    ]
-    return start_process(
-        argv,
-        f"http://127.0.0.1:{port}/health",
-        name="vllm",
-        port=port,
-        env={**ENGINE_ENV, **(env or {})},
-        timeout=timeout,
-        poll_s=1.0,
-    )
+
+    def start(port: int) -> Proc:
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir),
+            "--load-format", "dummy",
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            *engine_args,
+            *extra_args,
+        ]
+        return start_process(
+            argv,
+            f"http://127.0.0.1:{port}/health",
+            name="vllm",
+            port=port,
+            env={**ENGINE_ENV, **(env or {})},
+            timeout=timeout,
+            poll_s=1.0,
+        )
+
+    return start_on_port(start, port)
 
 
-def process_tree_rss_bytes(pid: int) -> int:
-    """Resident memory of pid and all its descendants, read from /proc (Linux only)."""
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants, read from /proc (Linux only)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+        except (OSError, IndexError):
             continue
         children.setdefault(int(fields[1]), []).append(int(entry.name))
-    total, stack = 0, [pid]
-    page = os.sysconf("SC_PAGE_SIZE")
+    tree, stack = [], [pid]
     while stack:
         current = stack.pop()
-        try:
-            rss_pages = int((Path("/proc") / str(current) / "statm").read_text().split()[1])
-        except (FileNotFoundError, ProcessLookupError):
-            rss_pages = 0
-        total += rss_pages * page
+        tree.append(current)
         stack.extend(children.get(current, []))
-    return total
+    return tree
+
+
+def process_tree_rss_bytes(pid: int) -> int:
+    """Resident memory of pid and its descendants (shared library pages count once a process)."""
+    total = 0
+    for member in process_tree(pid):
+        try:
+            total += int((Path("/proc") / str(member) / "statm").read_text().split()[1])
+        except (OSError, IndexError):
+            continue
+    return total * os.sysconf("SC_PAGE_SIZE")
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """True when pid or a descendant holds the listening TCP socket on port.
+
+    Guards readiness checks against a lost free_port() race: another session's server
+    on the same port would answer /health while ours is still starting.
+    """
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{cols[9]}]")
+    for member in process_tree(pid):
+        fd_dir = Path("/proc") / str(member) / "fd"
+        try:
+            for fd in fd_dir.iterdir():
+                try:
+                    if os.readlink(fd) in inodes:
+                        return True
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return False
 
 
 @atexit.register

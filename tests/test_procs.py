@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from procs import ProcessDied, free_port, start_process
+from procs import ProcessDied, free_port, listens_on, start_on_port, start_process
 
 
 def _gone(pid: int) -> bool:
@@ -54,3 +54,15 @@ def test_a_process_never_ready_is_stopped_after_timeout() -> None:
     with pytest.raises(ProcessDied, match="not ready after") as exc:
         start_process(["sleep", "600"], lambda _p: False, name="never-ready", timeout=1.0)
     assert not exc.value.proc.alive()
+
+
+def test_ready_needs_our_own_listening_socket() -> None:
+    def http_server(port: int):
+        argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+        return start_process(argv, f"http://127.0.0.1:{port}/", name="http", port=port, timeout=30)
+
+    with start_on_port(http_server) as first:
+        assert listens_on(first.pid, first.port) and not listens_on(first.pid, free_port())
+        # A second server on the same port: the first one answers the URL, but it is not ours.
+        with pytest.raises(ProcessDied, match="(?i)address already in use"):
+            http_server(first.port)
