@@ -11,8 +11,9 @@ can also prefill locally and reuse prefixes. The scheduler half (connector_sched
 plans, the worker half (connector_worker) moves bytes; this module wires them into
 vLLM's KVConnectorBase_V1 / SupportsHMA interface and runs the start-up checks.
 
-Extra config keys: kvstore_url (required), auth_token, handoff_wait_s (how long a
-decode waits for chunks a prefill is still uploading, default 10).
+Extra config keys: kvstore_url (required), auth_token, timeout_s (per store request,
+default 30), handoff_wait_s (how long a decode waits for chunks a prefill is still
+uploading, default 10).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.connector_plan import GroupGeometry
@@ -105,6 +107,7 @@ def check_geometry(layout: KVLayout, chunk_size: int, retention_interval: int | 
 
 
 class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
+    _cache_hit_source = CacheHitSource.HOST
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
@@ -114,10 +117,11 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
                 'PDServeConnector needs kv_connector_extra_config {"kvstore_url": "tcp://HOST:5556"}'
             )
         token = ktc.get_from_extra_config("auth_token", None)
+        timeout_s = float(ktc.get_from_extra_config("timeout_s", 30.0))
         # A chunk that fails to load is recomputed, never served as wrong tokens and never fatal.
         ktc.kv_load_failure_policy = "recompute"
         try:
-            with KVStoreClient(url, auth_token=token, timeout_s=10.0) as client:
+            with KVStoreClient(url, auth_token=token, timeout_s=min(timeout_s, 10.0)) as client:
                 chunk_size = client.info().chunk_size
                 self.layout, self.is_mla = describe_layout(vllm_config, kv_cache_config)
                 check_geometry(self.layout, chunk_size, vllm_config.cache_config.prefix_cache_retention_interval)
@@ -133,11 +137,12 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("PDServeConnector %s role=%s namespace=%s chunk=%d", role.name, ktc.kv_role, self.namespace, chunk_size)
         self.sched: SchedulerSide | None = None
         self.io: WorkerIO | None = None
-        self._url, self._token, self._saves = url, token, saves
+        self._client_args = {"url": url, "auth_token": token, "timeout_s": timeout_s}
+        self._saves = saves
         if role == KVConnectorRole.SCHEDULER:
             geometries = [GroupGeometry(g.block_size, g.sliding_window) for g in self.layout.groups]
             wait_s = float(ktc.get_from_extra_config("handoff_wait_s", 10.0))
-            self.sched = SchedulerSide(url, self.namespace, chunk_size, geometries, token, saves, loads, wait_s)
+            self.sched = SchedulerSide(self._client_args, self.namespace, chunk_size, geometries, saves, loads, wait_s)
         self._load_errors: set[int] = set()
         self._failed_reqs: set[str] = set()
 
@@ -149,7 +154,7 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         ]
         # MLA KV is the same on every TP rank: rank 0 writes it once, every rank loads it.
         writes = self._saves and (not self.is_mla or _tp_rank() == 0)
-        self.io = WorkerIO(self._url, self.namespace, groups, self._token, writes)
+        self.io = WorkerIO(self._client_args, self.namespace, groups, writes)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -62,16 +62,15 @@ class ReqState:
 class SchedulerSide:
     def __init__(
         self,
-        url: str,
+        client_args: dict[str, Any],
         namespace: str,
         chunk_size: int,
         geometries: list[GroupGeometry],
-        auth_token: str | None,
         saves: bool,
         loads: bool,
         handoff_wait_s: float,
     ):
-        self.url = url
+        self.url = client_args["url"]
         self.namespace = namespace
         self.chunk_size = chunk_size
         self.geometries = geometries
@@ -79,7 +78,7 @@ class SchedulerSide:
         self.saves = saves
         self.loads = loads
         self.handoff_wait_s = handoff_wait_s
-        self.client = KVStoreClient(url, auth_token=auth_token)
+        self.client = KVStoreClient(**client_args)
         self.reqs: dict[str, ReqState] = {}
         self.plans: dict[str, LoadPlan] = {}
         self.pending_loads: list[TransferJob] = []

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -101,16 +101,14 @@ class WorkerIO:
 
     def __init__(
         self,
-        url: str,
+        client_args: dict[str, Any],
         namespace: str,
         groups: list[GroupCache],
-        auth_token: str | None,
         writes: bool,
     ):
-        self.url = url
+        self.client_args = client_args
         self.namespace = namespace
         self.groups = groups
-        self.auth_token = auth_token
         self.writes = writes
         self._saves: queue.Queue[tuple[TransferJob, list[torch.Tensor]] | None] = queue.Queue()
         self._loads: queue.Queue[TransferJob | None] = queue.Queue()
@@ -123,7 +121,7 @@ class WorkerIO:
             t.start()
 
     def _client(self) -> KVStoreClient:
-        return KVStoreClient(self.url, auth_token=self.auth_token)
+        return KVStoreClient(**self.client_args)
 
     # saves ----------------------------------------------------------------
     def save(self, job: TransferJob) -> None:
