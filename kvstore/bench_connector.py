@@ -1,0 +1,158 @@
+"""`pdserve bench connector`: time to first token, recomputed vs loaded, in one run.
+
+For each prompt length it measures on the tiny DeepSeek-V3 (CPU):
+  recompute  - the engine computes the whole prompt (first sight of it);
+  pdserve    - the same prompt again, its KV loaded from our store by PDServeConnector;
+  example    - the same prompt loaded through vLLM's own ExampleConnector (files on disk),
+               the baseline a vLLM user already has.
+Engines run one at a time so they never compete for the CPU. MLA on the CPU has no
+local prefix cache, so a repeated prompt is either recomputed or loaded, never cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import httpx
+
+from pdserve.deploy.tiny_model import main as tiny_main
+
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _process(argv: list[str], health: str, log: Path, timeout_s: float = 600) -> Iterator[None]:
+    env = {**os.environ, **ENGINE_ENV}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[:4]} exited with {proc.returncode}; log: {log}")
+            try:
+                if httpx.get(health, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{argv[:4]} not ready after {timeout_s:.0f} s; log: {log}")
+            time.sleep(1)
+        yield
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _engine(model: Path, kv_config: dict, max_len: int, logdir: Path, name: str):
+    port = _free_port()
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", str(max_len), "--max-num-seqs", "4", "--enforce-eager",
+        "--kv-transfer-config", json.dumps(kv_config),
+    ]
+    return port, _process(argv, f"http://127.0.0.1:{port}/health", logdir / f"{name}.log")
+
+
+def _ttft(port: int, prompt: list[int]) -> float:
+    """Latency of a one-token completion: the prefill (or load) and one sampling step."""
+    body = {"model": _model(port), "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    start = time.perf_counter()
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600)
+    elapsed = time.perf_counter() - start
+    r.raise_for_status()
+    return elapsed
+
+
+def _model(port: int, _cache: dict[int, str] = {}) -> str:
+    if port not in _cache:
+        _cache[port] = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+    return _cache[port]
+
+
+def _measure(port: int, prompts: dict[int, list[int]], repeats: int) -> dict[int, tuple[float, float]]:
+    """Per length: (first-sight TTFT, median TTFT of the repeats of the same prompt)."""
+    _ttft(port, [7] * 32)  # warm-up
+    out = {}
+    for n, prompt in prompts.items():
+        first = _ttft(port, prompt)
+        again = statistics.median(_ttft(port, prompt) for _ in range(repeats))
+        out[n] = (first, again)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench connector", description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192], help="prompt lengths in tokens")
+    p.add_argument("--repeats", type=int, default=3, help="loads measured per length (median reported)")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: a fresh tiny DeepSeek-V3)")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="pdserve-bench-connector-"))
+    model = args.model or work / "model"
+    if args.model is None:
+        tiny_main(["--arch", "deepseek_v3", "--out", str(model)])
+    rng = random.Random(0)
+    prompts = {n: [rng.randrange(3, 1000) for _ in range(n)] for n in args.lengths}
+    max_len = max(args.lengths) + 64
+
+    store_port, store_http = _free_port(), _free_port()
+    store_argv = [sys.executable, "-m", "pdserve.deploy.cli", "kvstore", "--port", str(store_port),
+                  "--http-port", str(store_http), "--chunk-size", str(args.chunk_size), "--l1-size-gb", "4"]
+    ours_cfg = {"kv_connector": "PDServeConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"kvstore_url": f"tcp://127.0.0.1:{store_port}"}}
+    with _process(store_argv, f"http://127.0.0.1:{store_http}/health", work / "kvstore.log"):
+        port, ctx = _engine(model, ours_cfg, max_len, work, "pdserve")
+        with ctx:
+            ours = _measure(port, prompts, args.repeats)
+    example_cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                   "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
+    port, ctx = _engine(model, example_cfg, max_len, work, "example")
+    with ctx:
+        example = _measure(port, prompts, args.repeats)
+
+    rows = []
+    print(f"{'tokens':>7} {'recompute s':>12} {'pdserve s':>10} {'example s':>10} {'pdserve/example':>16} {'recompute/pdserve':>18}")
+    for n in args.lengths:
+        recompute, loaded = ours[n]
+        ex = example[n][1]
+        rows.append({"tokens": n, "recompute_s": recompute, "pdserve_s": loaded, "example_s": ex,
+                     "example_recompute_s": example[n][0]})
+        print(f"{n:>7} {recompute:>12.3f} {loaded:>10.3f} {ex:>10.3f} {loaded / ex:>16.2f} {recompute / loaded:>18.1f}")
+    print("target: pdserve/example <= 0.50 at every length")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
