@@ -1,0 +1,440 @@
+"""`pdserve up`: the whole P/D stack on this machine, one command, no orphans on exit.
+
+Starts the KV store, N prefill and M decode workers and the router as child process
+groups (see deploy/children.py), shows which of them are still starting (engines take
+about a minute on a CPU), waits until the router sees every worker healthy, prints
+the URL and a curl line, sends one chat request and prints its reply and TTFT, then
+serves until Ctrl-C or SIGTERM, which stops the router first, then the workers (they
+drain), then the store. `LocalStack` is also what `pdserve bench serve --compare`
+uses to bring up its P/D and colocated stacks.
+
+Without `--model`, a tiny random-weight DeepSeek-V3 is generated once into the cache
+folder and served with `--load-format dummy` and CPU-friendly engine settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import httpx
+from tqdm import tqdm
+
+from pdserve.deploy.children import open_log, signal_group, spawn, stop_group
+
+TINY_ARCH = "deepseek_v3"
+TINY_SERVED_NAME = "tiny-deepseek-v3"
+# Engine settings for the tiny model on a small CPU machine: random weights, short
+# context, no graph capture, an explicit 256 MiB KV cache (vLLM's CPU default takes
+# most of the RAM) and one unpinned OpenMP thread per engine, so a prefill and a
+# decode engine do not fight over the same core.
+TINY_VLLM_ARGS: tuple[str, ...] = (
+    "--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", "8",
+    "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
+)
+TINY_ENGINE_ENV: dict[str, str] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+QUIET_ENV: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+DEMO_PROMPT = "Say hello to the prefill/decode stack."
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
+
+
+def tiny_model_dir() -> Path:
+    """The tiny DeepSeek-V3 folder, generated on first use."""
+    out = cache_dir() / "models" / f"tiny-{TINY_ARCH}"
+    if not (out / "config.json").exists():
+        from pdserve.deploy.tiny_model import write_tiny_model
+
+        write_tiny_model(TINY_ARCH, out)
+    return out
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """One local stack. Ports of the i-th worker are the base port + i."""
+
+    model: str
+    served_model_name: str
+    tokenizer: str | None = None
+    vllm_args: tuple[str, ...] = ()
+    engine_env: dict[str, str] = field(default_factory=dict)
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_port: int = 8100
+    decode_port: int = 8200
+    kvstore_port: int = 5556
+    kvstore_http_port: int = 18556
+    kvstore_l1_size_gb: float = 1.0
+    redis_url: str | None = None
+    connector: bool = True
+    pd_min_prompt_tokens: int | None = None
+    api_key: str | None = None
+    router_args: tuple[str, ...] = ()
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-up-")))
+    start_timeout: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.num_decode < 1:
+            raise ValueError("a stack needs at least one decode worker (--num-decode)")
+        if self.num_prefill < 0:
+            raise ValueError("--num-prefill must not be negative")
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def kvstore_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.kvstore_port}"
+
+    def worker_urls(self, role: str) -> list[str]:
+        base, count = (self.prefill_port, self.num_prefill) if role == "prefill" else (self.decode_port, self.num_decode)
+        return [f"http://127.0.0.1:{base + i}" for i in range(count)]
+
+
+@dataclass
+class Component:
+    """One child: how to start it and how to tell it is ready."""
+
+    name: str
+    argv: list[str]
+    ready: Callable[[httpx.Client], bool]
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen | None = None
+    log_path: Path | None = None
+    ready_after_s: float | None = None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class StackFailed(RuntimeError):
+    """A component exited or did not become ready; the message names it and quotes its log."""
+
+
+def _get_ok(url: str) -> Callable[[httpx.Client], bool]:
+    def check(client: httpx.Client) -> bool:
+        try:
+            return client.get(url).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
+
+
+def _router_sees_all(cfg: StackConfig) -> Callable[[httpx.Client], bool]:
+    """Ready when the router reports every configured worker healthy, not just one."""
+
+    def check(client: httpx.Client) -> bool:
+        try:
+            body = client.get(f"{cfg.router_url}/ready").json()
+        except (httpx.HTTPError, json.JSONDecodeError):
+            return False
+        return (
+            body.get("ready") is True
+            and body.get("prefill", {}).get("healthy") == cfg.num_prefill
+            and body.get("decode", {}).get("healthy") == cfg.num_decode
+        )
+
+    return check
+
+
+def _pdserve(*words: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.deploy.cli", *words]
+
+
+def build_components(cfg: StackConfig) -> list[Component]:
+    """The children of a stack, in start order: store, workers, router."""
+    comps: list[Component] = []
+    if cfg.connector:
+        comps.append(Component(
+            "kvstore",
+            _pdserve("kvstore", "--port", str(cfg.kvstore_port), "--http-port", str(cfg.kvstore_http_port),
+                     "--l1-size-gb", str(cfg.kvstore_l1_size_gb)),
+            _get_ok(f"http://127.0.0.1:{cfg.kvstore_http_port}/health"),
+        ))
+    for role in ("prefill", "decode"):
+        for i, url in enumerate(cfg.worker_urls(role)):
+            argv = _pdserve(role, "--model", cfg.model, "--port", url.rsplit(":", 1)[1])
+            argv += ["--kvstore-url", cfg.kvstore_url] if cfg.connector else ["--no-connector"]
+            if cfg.redis_url:
+                argv += ["--redis-url", cfg.redis_url]
+            vllm_args = list(cfg.vllm_args)
+            if cfg.served_model_name != cfg.model:
+                vllm_args += ["--served-model-name", cfg.served_model_name]
+            if cfg.api_key:
+                vllm_args += ["--api-key", cfg.api_key]
+            comps.append(Component(f"{role}-{i}", [*argv, "--", *vllm_args], _get_ok(f"{url}/health"),
+                                   env=dict(cfg.engine_env)))
+    router = _pdserve("router", "--host", cfg.host, "--port", str(cfg.port))
+    if cfg.redis_url:
+        router += ["--redis-url", cfg.redis_url, "--model", cfg.served_model_name]
+    else:
+        if cfg.num_prefill:
+            router += ["--prefill", *cfg.worker_urls("prefill")]
+        router += ["--decode", *cfg.worker_urls("decode")]
+    if cfg.tokenizer:
+        router += ["--tokenizer", cfg.tokenizer]
+    if cfg.pd_min_prompt_tokens is not None:
+        router += ["--pd-min-prompt-tokens", str(cfg.pd_min_prompt_tokens)]
+    if cfg.api_key:
+        router += ["--api-key", cfg.api_key]
+    comps.append(Component("router", [*router, *cfg.router_args], _router_sees_all(cfg)))
+    return comps
+
+
+class LocalStack:
+    """Start, watch and stop one stack's children. Use as a context manager."""
+
+    def __init__(self, cfg: StackConfig, label: str = "pdserve") -> None:
+        self.cfg = cfg
+        self.label = label
+        self.components = build_components(cfg)
+        self._http = httpx.Client(timeout=2.0)
+        self._show_progress = True
+
+    def _spawn(self, comp: Component) -> None:
+        comp.log_path = self.cfg.log_dir / f"{comp.name}.log"
+        with open_log(comp.log_path) as log:
+            comp.popen = spawn(comp.argv, stdout=log, env={**QUIET_ENV, **comp.env})
+
+    def _wait(self, comps: list[Component], bar: tqdm, deadline: float) -> None:
+        """Poll until every comp in `comps` is ready; raise StackFailed if one exits or time runs out."""
+        started = last_note = time.monotonic()
+        pending = list(comps)
+        while pending:
+            for comp in list(pending):
+                if not comp.alive():
+                    raise StackFailed(f"{comp.name} exited with code {comp.popen.returncode} while starting; "
+                                      f"log {comp.log_path}:\n{comp.log_tail()}")
+                if comp.ready(self._http):
+                    comp.ready_after_s = time.monotonic() - started
+                    pending.remove(comp)
+                    bar.update(1)
+                    if self._show_progress:
+                        bar.write(f"  {comp.name} ready after {comp.ready_after_s:.0f} s", file=sys.stderr)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise StackFailed(f"not ready after {self.cfg.start_timeout:.0f} s: {names}; logs in {self.cfg.log_dir}")
+            waiting = f"waiting for {', '.join(c.name for c in pending)}"
+            bar.set_postfix_str(waiting, refresh=True)
+            now = time.monotonic()
+            if self._show_progress and bar.disable and now - last_note >= 30.0:
+                # No terminal to redraw a bar on (a log file, CI): one line every 30 s.
+                print(f"  {waiting} ({now - started:.0f} s)", file=sys.stderr, flush=True)
+                last_note = now
+            time.sleep(1.0)
+
+    def start(self, show_progress: bool = True) -> "LocalStack":
+        """Store first (workers connect to it), then workers and router together."""
+        deadline = time.monotonic() + self.cfg.start_timeout
+        self._show_progress = show_progress
+        bar = tqdm(total=len(self.components), desc=f"starting {self.label}", file=sys.stderr,
+                   disable=not (show_progress and sys.stderr.isatty()),
+                   bar_format="{desc}: {n}/{total} ready [{elapsed}]{postfix}")
+        try:
+            store = [c for c in self.components if c.name == "kvstore"]
+            for comp in store:
+                self._spawn(comp)
+            self._wait(store, bar, deadline)
+            rest = [c for c in self.components if c.name != "kvstore"]
+            for comp in rest:
+                self._spawn(comp)
+            self._wait(rest, bar, deadline)
+        except BaseException:
+            bar.close()
+            self.stop()
+            raise
+        bar.close()
+        return self
+
+    def dead(self) -> list[Component]:
+        """Children that have exited (a running stack should have none)."""
+        return [c for c in self.components if c.popen is not None and not c.alive()]
+
+    def stop(self) -> None:
+        """Router first (no new requests), then workers together (each drains), then the store."""
+        order = [
+            [c for c in self.components if c.name == "router"],
+            [c for c in self.components if c.name.startswith(("prefill-", "decode-"))],
+            [c for c in self.components if c.name == "kvstore"],
+        ]
+        for group in order:
+            running = [c for c in group if c.popen is not None]
+            for comp in running:
+                signal_group(comp.popen, signal.SIGTERM)
+            for comp in running:
+                stop_group(comp.popen, timeout_s=90.0, name=comp.name)
+        self._http.close()
+
+    @property
+    def router_url(self) -> str:
+        return self.cfg.router_url
+
+    def __enter__(self) -> "LocalStack":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def chat_once(base_url: str, model: str, prompt: str, api_key: str | None = None,
+              max_tokens: int = 32) -> tuple[str, float, int]:
+    """One streamed chat request: (reply text, TTFT in seconds, completion tokens)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = {
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    text: list[str] = []
+    ttft, tokens = float("nan"), 0
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=headers, timeout=300) as resp:
+        if resp.status_code != 200:
+            raise StackFailed(f"demo request failed: HTTP {resp.status_code} {resp.read().decode(errors='replace')}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise StackFailed(f"demo request failed mid-stream: {chunk['error']}")
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if (piece or choice.get("finish_reason")) and ttft != ttft:  # first token (NaN until set)
+                    ttft = time.perf_counter() - start
+                text.append(piece)
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"].get("completion_tokens", 0))
+    return "".join(text), ttft, tokens
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve up",
+        description=("Run a local P/D stack: KV store, prefill and decode workers, router. "
+                     "Arguments after `--` go to every vLLM worker unchanged."),
+        allow_abbrev=False,
+    )
+    p.add_argument("--model", default=None,
+                   help=f"model for the workers (default: a tiny random-weight DeepSeek-V3, served as {TINY_SERVED_NAME})")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill workers (0: decode-only)")
+    p.add_argument("--num-decode", type=int, default=1, help="decode workers")
+    p.add_argument("--host", default="127.0.0.1", help="router bind address")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--prefill-port", type=int, default=8100, help="port of the first prefill worker (+1 for each next)")
+    p.add_argument("--decode-port", type=int, default=8200, help="port of the first decode worker (+1 for each next)")
+    p.add_argument("--kvstore-port", type=int, default=5556)
+    p.add_argument("--kvstore-http-port", type=int, default=18556)
+    p.add_argument("--kvstore-l1-size-gb", type=float, default=1.0)
+    p.add_argument("--redis-url", default=None, help="discover workers through Redis instead of fixed URLs")
+    p.add_argument("--no-connector", action="store_true", help="no KV store: the decode leg recomputes the prompt")
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=None, help="router: shorter prompts skip the prefill leg")
+    p.add_argument("--api-key", default=None, help="Bearer key for clients; the workers get it too")
+    p.add_argument("--log-dir", type=Path, default=None, help="where each child's log goes (default: a temp folder)")
+    p.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the whole stack")
+    p.add_argument("--no-demo", action="store_true", help="skip the demo chat request")
+    return p
+
+
+def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]:
+    """The stack to run and the raw options (for the flags that are not about the stack)."""
+    argv = list(argv)
+    vllm_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, vllm_args = argv[:cut], argv[cut + 1 :]
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.model is None:
+        model_dir = tiny_model_dir()
+        model, served, tokenizer = str(model_dir), a.served_model_name or TINY_SERVED_NAME, str(model_dir)
+        vllm_args = [*TINY_VLLM_ARGS, *vllm_args]
+        engine_env = dict(TINY_ENGINE_ENV)
+    else:
+        model, served, engine_env = a.model, a.served_model_name or a.model, {}
+        tokenizer = a.model if Path(a.model).is_dir() else None
+    extra: dict = {"log_dir": a.log_dir} if a.log_dir else {}
+    try:
+        cfg = StackConfig(
+            model=model, served_model_name=served, tokenizer=tokenizer, vllm_args=tuple(vllm_args),
+            engine_env=engine_env, num_prefill=a.num_prefill, num_decode=a.num_decode, host=a.host,
+            port=a.port, prefill_port=a.prefill_port, decode_port=a.decode_port, kvstore_port=a.kvstore_port,
+            kvstore_http_port=a.kvstore_http_port, kvstore_l1_size_gb=a.kvstore_l1_size_gb,
+            redis_url=a.redis_url, connector=not a.no_connector, pd_min_prompt_tokens=a.pd_min_prompt_tokens,
+            api_key=a.api_key, start_timeout=a.start_timeout, **extra,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg, a
+
+
+def curl_line(cfg: StackConfig) -> str:
+    auth = f" -H 'Authorization: Bearer {cfg.api_key}'" if cfg.api_key else ""
+    body = json.dumps({"model": cfg.served_model_name, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": 32})
+    return f"curl {cfg.router_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg, opts = parse_up_args(sys.argv[1:] if argv is None else argv)
+    stopping = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        # The first Ctrl-C/SIGTERM interrupts whatever runs (start-up included); later
+        # ones are ignored so they cannot cut the orderly shutdown short.
+        if not stopping.is_set():
+            stopping.set()
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    print(f"pdserve up: {cfg.num_prefill} prefill + {cfg.num_decode} decode worker(s) of {cfg.served_model_name}; "
+          f"logs in {cfg.log_dir}", flush=True)
+    stack = LocalStack(cfg)
+    code = 0
+    try:
+        stack.start()
+        print(f"\nready: {cfg.router_url}/v1  (model {cfg.served_model_name})\n  {curl_line(cfg)}\n", flush=True)
+        if not opts.no_demo:
+            reply, ttft, tokens = chat_once(cfg.router_url, cfg.served_model_name, DEMO_PROMPT, cfg.api_key)
+            print(f"demo reply ({tokens} tokens, TTFT {ttft * 1000:.0f} ms): {reply!r}", flush=True)
+        print("serving; Ctrl-C stops every process", flush=True)
+        while not stack.dead():
+            time.sleep(1.0)
+        comp = stack.dead()[0]
+        print(f"pdserve up: {comp.name} exited with code {comp.popen.returncode}; stopping. "
+              f"log {comp.log_path}:\n{comp.log_tail()}", file=sys.stderr, flush=True)
+        code = 1
+    except StackFailed as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        code = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stopping.set()
+        print("stopping...", flush=True)
+        stack.stop()
+        print("stopped", flush=True)
+    return code
