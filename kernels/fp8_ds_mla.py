@@ -23,8 +23,10 @@ the byte e + 127. A zero scale byte decodes as 2^-127, as in
 **Edge cases, defined for both codecs and both implementations** (the tests pin each one):
 - zeros: +0 and -0 encode to 0x00 and 0x80 and decode back with their sign; an all-zero group gets
   the smallest scale (FLT_MIN for V3.2, 2^-22 for V4).
-- the largest values: the group's amax maps to 448 (V3.2) or to at most 448 (V4); nothing
-  overflows, bf16's largest finite value included.
+- the largest values: V3.2 maps a group's amax to 448 and decodes bf16's largest finite value
+  to itself. V4 rounds the scale up to a power of two, so the amax maps into (224, 448], and e4m3
+  then rounds anything from 248 * 2^120 (3.30e38) up to 256 * 2^120, which decodes to +-Inf:
+  vLLM's V4 decoder does the same with these bytes, and the encoder writes what vLLM writes.
 - subnormals (bf16 inputs, e4m3 codes and float32 products) are rounded exactly, never flushed.
 - NaN is ignored by the group's amax (like vLLM's fmaxf reduction) and is stored as 0x7F; it
   decodes to the bf16 NaN 0x7FC0. The other values of its group are unaffected.
