@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.kvstore import protocol as p
-from pdserve.kvstore.checksum import byte_view, checksum, copy_with_checksum
+from pdserve.kvstore.checksum import byte_view, checksums, copy_all
 from pdserve.kvstore.layout import KVLayout
 from pdserve.kvstore.protocol import ServerInfo
 from pdserve.kvstore.shm import Arena, ArenaError
@@ -82,12 +82,13 @@ def _fresh(size: int) -> memoryview:
 class _Ops:
     """The protocol, as generators; shared by both clients."""
 
-    def __init__(self, url: str, auth_token: str | None, shm: bool | None) -> None:
+    def __init__(self, url: str, auth_token: str | None, shm: bool | None, prefault: bool) -> None:
         if not url.startswith(("tcp://", "ipc://")):
             raise KVStoreError(f"kvstore url must be tcp://host:port or ipc://path, got {url!r}")
         self.url = url
         self.token = auth_token
         self.shm_mode = shm
+        self.prefault = prefault
         self.server: ServerInfo | None = None
         self.arena: Arena | None = None
         self._ids = itertools.count(1)
@@ -115,6 +116,8 @@ class _Ops:
             return
         try:
             self.arena = Arena.attach(info.shm_path, info.shm_nonce, info.shm_size)
+            if self.prefault:
+                self.arena.populate()
         except ArenaError as exc:
             if self.shm_mode:
                 raise KVStoreError(f"kvstore {self.url}: shared memory requested but unusable: {exc}") from exc
@@ -145,35 +148,30 @@ class _Ops:
             log.warning("kvstore: %d objects larger than L1 (%d bytes) not sent", len(items) - len(send), info.max_object_bytes)
         if not send:
             return stored
+        metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in send]
         if self.arena is not None:
-            metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in send]
             reserved = _expect((yield _Send(p.Put(ns=ns, items=metas, shm=True))), p.Reserved, self.url)
             _check_len(reserved.slots, metas, self.url)
-            filled = yield from self._fill([views[i] for i in send], reserved)
-            for i, ok in zip(send, filled):
-                stored[i] = ok
-            return stored
-        metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i]), checksum(views[i])) for i in send]
-        rep = _expect((yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in send])), p.Stored, self.url)
-        _check_len(rep.stored, metas, self.url)
-        for i, ok in zip(send, rep.stored):
+            outcome = yield from self._fill([views[i] for i in send], reserved)
+        else:
+            rep = _expect((yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in send])), p.Stored, self.url)
+            _check_len(rep.stored, metas, self.url)
+            outcome = rep.stored
+        for i, ok in zip(send, outcome):
             stored[i] = ok
         return stored
 
     def _fill(self, views: list[memoryview], reserved: p.Reserved) -> _Op[list[bool]]:
-        """Copy payloads into their reserved arena slots, then commit them."""
+        """Copy payloads into their reserved arena slots, then commit them with their checksums."""
         assert self.arena is not None
-        leases: list[int] = []
-        sums: list[int] = []
-        for view, slot in zip(views, reserved.slots):
-            if slot is None:
-                continue
+        pairs = [(slot, view) for view, slot in zip(views, reserved.slots) if slot is not None]
+        for slot, view in pairs:
             if slot.size != len(view):
                 raise KVStoreError(f"kvstore {self.url}: slot of {slot.size} bytes for a {len(view)}-byte payload")
-            sums.append(copy_with_checksum(self.arena.slice(slot.offset, slot.size), view))
-            leases.append(slot.lease)
+        sums = copy_all([self.arena.slice(slot.offset, slot.size) for slot, _ in pairs], [v for _, v in pairs])
         stored = list(reserved.stored)
-        if leases:
+        if pairs:
+            leases = [slot.lease for slot, _ in pairs]
             rep = _expect((yield _Send(p.Commit(leases=leases, checksums=sums))), p.Stored, self.url)
             _check_len(rep.stored, leases, self.url)
             committed = iter(rep.stored)
@@ -188,15 +186,14 @@ class _Ops:
         too_big = [len(v) for v in views if len(v) > info.max_object_bytes]
         if too_big:
             raise KVStoreError(f"kvstore {self.url}: tail of {max(too_big)} bytes exceeds L1 ({info.max_object_bytes})")
+        metas = [p.TailItem(g, len(v)) for (g, _), v in zip(items, views)]
         if self.arena is not None:
-            metas = [p.TailItem(g, len(v)) for (g, _), v in zip(items, views)]
             msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s, shm=True)
             reserved = _expect((yield _Send(msg)), p.Reserved, self.url)
             _check_len(reserved.slots, metas, self.url)
             if not all((yield from self._fill(views, reserved))):
                 raise KVStoreError(f"kvstore {self.url}: tail of request {request_id!r} expired before commit")
             return
-        metas = [p.TailItem(g, len(v), checksum(v)) for (g, _), v in zip(items, views)]
         msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s)
         _expect((yield _Send(msg, views)), p.Ok, self.url)
 
@@ -236,45 +233,48 @@ class _Ops:
         out: Sequence[Buffer] | None,
     ) -> _Op[list[memoryview | None]]:
         """Turn found items into verified views; release shm leases and report corrupt payloads."""
-        shm = any(f is not None and f.offset >= 0 for f in found)
-        n_found = sum(f is not None for f in found)
-        if not shm and len(frames) != n_found:
-            raise KVStoreError(f"kvstore {self.url}: {n_found} objects found but {len(frames)} payload frames")
-        frame_iter = iter(frames)
-        results: list[memoryview | None] = []
-        leases: list[int] = []
+        idx = [i for i, f in enumerate(found) if f is not None]
+        shm = any(found[i].offset >= 0 for i in idx)  # type: ignore[union-attr]
+        if shm:
+            assert self.arena is not None
+            srcs = [self.arena.slice(found[i].offset, found[i].size) for i in idx]  # type: ignore[union-attr]
+        elif len(frames) != len(idx):
+            raise KVStoreError(f"kvstore {self.url}: {len(idx)} objects found but {len(frames)} payload frames")
+        else:
+            srcs = [f.buffer for f in frames]
+        for i, src in zip(idx, srcs):
+            if len(src) != found[i].size:  # type: ignore[union-attr]
+                raise KVStoreError(f"kvstore {self.url}: {len(src)} bytes for a {found[i].size}-byte object")  # type: ignore[union-attr]
+        dsts: list[memoryview] | None = None
+        if out is not None:
+            dsts = [self._out_view(out[i], len(src), i) for i, src in zip(idx, srcs)]
+        elif shm:
+            dsts = [_fresh(len(src)) for src in srcs]  # the arena slice is reused once the lease ends
+        sums = copy_all(dsts, srcs) if dsts is not None else checksums(srcs)
+        results: list[memoryview | None] = [None] * len(found)
         corrupt: list[p.Corrupt] = []
-        for i, f in enumerate(found):
-            if f is None:
-                results.append(None)
-                continue
-            if shm:
-                assert self.arena is not None
-                src = self.arena.slice(f.offset, f.size)
-                leases.append(f.lease)
+        for j, i in enumerate(idx):
+            f = found[i]
+            assert f is not None
+            if sums[j] == f.checksum:
+                results[i] = dsts[j] if dsts is not None else srcs[j]
             else:
-                src = next(frame_iter).buffer
-                if len(src) != f.size:
-                    raise KVStoreError(f"kvstore {self.url}: frame of {len(src)} bytes for a {f.size}-byte object")
-            if out is not None:
-                dst = byte_view(out[i])
-                if len(dst) < f.size:
-                    raise KVStoreError(f"output buffer {i} holds {len(dst)} bytes, object has {f.size}")
-                dst = dst[: f.size]
-                ok = copy_with_checksum(dst, src) == f.checksum
-            elif shm:
-                dst = _fresh(f.size)
-                ok = copy_with_checksum(dst, src) == f.checksum
-            else:
-                dst, ok = src, checksum(src) == f.checksum
-            if not ok:
                 ns, group, key = keys[i]
                 corrupt.append(p.Corrupt(ns, group, key, f.obj))
                 log.warning("kvstore %s: checksum mismatch on %s/%d, treated as a miss", self.url, ns, group)
-            results.append(dst if ok else None)
+        leases = [found[i].lease for i in idx] if shm else []  # type: ignore[union-attr]
         if leases or corrupt:
             yield _Send(p.Release(leases=leases, corrupt=corrupt), reply=False)
         return results
+
+    @staticmethod
+    def _out_view(buf: Buffer, size: int, i: int) -> memoryview:
+        view = byte_view(buf)
+        if len(view) < size:
+            raise KVStoreError(f"output buffer {i} holds {len(view)} bytes, object has {size}")
+        if view.readonly:
+            raise KVStoreError(f"output buffer {i} is read-only")
+        return view[:size]
 
 
 def _check_len(got: Sequence, want: Sequence, url: str) -> None:
@@ -295,9 +295,11 @@ class KVStoreClient:
 
     def __init__(
         self, url: str = "tcp://127.0.0.1:5556", auth_token: str | None = None, timeout_s: float = 30.0,
-        shm: bool | None = None,
+        shm: bool | None = None, prefault: bool = False,
     ) -> None:
-        self._ops = _Ops(url, auth_token, shm)
+        """`shm`: None uses the server's shared memory when it is on this host, False never, True requires it.
+        `prefault`: map the whole shared arena at connect time instead of granule by granule on first use."""
+        self._ops = _Ops(url, auth_token, shm, prefault)
         self.url = url
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
@@ -392,9 +394,11 @@ class AsyncKVStoreClient:
 
     def __init__(
         self, url: str = "tcp://127.0.0.1:5556", auth_token: str | None = None, timeout_s: float = 30.0,
-        shm: bool | None = None,
+        shm: bool | None = None, prefault: bool = False,
     ) -> None:
-        self._ops = _Ops(url, auth_token, shm)
+        """`shm`: None uses the server's shared memory when it is on this host, False never, True requires it.
+        `prefault`: map the whole shared arena at connect time instead of granule by granule on first use."""
+        self._ops = _Ops(url, auth_token, shm, prefault)
         self.url = url
         self.timeout_s = timeout_s
         self._ctx = zmq.asyncio.Context.instance()

@@ -45,12 +45,12 @@ class _Rep(msgspec.Struct, tag_field="op", kw_only=True):
 
 
 class ItemMeta(msgspec.Struct, array_like=True):
-    """One object to put: its payload is the next frame (TCP) or is written after `Reserved` (shm)."""
+    """One object to put: its payload is the next frame (TCP; the server computes the checksum)
+    or is written into a reserved slot (shm; the client sends the checksum in `Commit`)."""
 
     group: int
     key: bytes
     size: int
-    checksum: int = 0  # xxh3-64 of the payload; sent in `Commit` on the shm path
 
 
 class ItemRef(msgspec.Struct, array_like=True):
@@ -65,7 +65,6 @@ class TailItem(msgspec.Struct, array_like=True):
 
     group: int
     size: int
-    checksum: int = 0
 
 
 class Found(msgspec.Struct, array_like=True):

@@ -24,6 +24,10 @@ SHM_DIR = Path("/dev/shm")
 HEADER_BYTES = 4096
 _MAGIC = b"pdserve-kv-arena\0"
 _NAME_RE = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]+$")
+# Mapping a page costs a fault on first touch (tens of microseconds inside a VM), which
+# would dominate a copy; clients map the arena in granules of this size ahead of use.
+GRANULE = 64 << 20
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 
 class ArenaError(RuntimeError):
@@ -33,22 +37,27 @@ class ArenaError(RuntimeError):
 class Arena:
     """A shared (or, without /dev/shm, private) mapping whose data area starts after a header page."""
 
-    def __init__(self, mm: mmap.mmap, size: int, path: Path | None, nonce: str, owner: bool) -> None:
+    def __init__(
+        self, mm: mmap.mmap, size: int, path: Path | None, nonce: str, owner: bool, mapped: bool = False
+    ) -> None:
         self._mm = mm
         self.size = size  # bytes of the data area
         self.path = path
         self.nonce = nonce
         self._owner = owner
         self.view = memoryview(mm)[HEADER_BYTES : HEADER_BYTES + size]
+        granules = -(-size // GRANULE)
+        self._mapped = bytearray(b"\1" * granules if mapped else granules)  # 1: page tables populated
 
     @classmethod
     def create(cls, size: int, shared: bool = True) -> "Arena":
         """Server side: a fresh arena of `size` data bytes; private anonymous memory when not `shared`."""
         nonce = secrets.token_hex(16)
         total = HEADER_BYTES + size
+        populate = getattr(mmap, "MAP_POPULATE", 0)
         if not shared or not SHM_DIR.is_dir():
-            mm = mmap.mmap(-1, total)
-            return cls(mm, size, None, nonce, owner=True)
+            mm = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+            return cls(mm, size, None, nonce, owner=True, mapped=True)
         cleanup_stale()
         path = SHM_DIR / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -61,11 +70,12 @@ class Arena:
                     f"cannot reserve {total / 2**30:.2f} GiB in {SHM_DIR} ({exc.strerror}); "
                     "lower --l1-size-gb or enlarge /dev/shm (docker: --shm-size)"
                 ) from exc
-            mm = mmap.mmap(fd, total)
+            # the server touches all of it sooner or later: map every page now, not one fault at a time
+            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | populate)
         finally:
             os.close(fd)
         mm[: len(_MAGIC) + 32] = _MAGIC + nonce.encode()
-        return cls(mm, size, path, nonce, owner=True)
+        return cls(mm, size, path, nonce, owner=True, mapped=True)
 
     @classmethod
     def attach(cls, path: str, nonce: str, size: int) -> "Arena":
@@ -89,10 +99,28 @@ class Arena:
         return cls(mm, size, Path(path), nonce, owner=False)
 
     def slice(self, offset: int, size: int) -> memoryview:
-        """A bounds-checked view of [offset, offset+size) of the data area."""
+        """A bounds-checked view of [offset, offset+size) of the data area, its pages mapped."""
         if offset < 0 or size < 0 or offset + size > self.size:
             raise ArenaError(f"slice [{offset}, {offset + size}) outside the {self.size}-byte arena")
+        if size:
+            self._populate(offset // GRANULE, (offset + size - 1) // GRANULE)
         return self.view[offset : offset + size]
+
+    def populate(self) -> None:
+        """Map every page now (a one-time cost proportional to the arena) instead of on first use."""
+        if self.size:
+            self._populate(0, (self.size - 1) // GRANULE)
+
+    def _populate(self, first: int, last: int) -> None:
+        for g in range(first, last + 1):
+            if self._mapped[g]:
+                continue
+            self._mapped[g] = 1
+            start = HEADER_BYTES + g * GRANULE
+            try:
+                self._mm.madvise(_MADV_POPULATE_WRITE, start, min(GRANULE, HEADER_BYTES + self.size - start))
+            except OSError:  # older kernel: pages fault in on first touch instead
+                pass
 
     def close(self) -> None:
         try:

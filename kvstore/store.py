@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from pdserve.kvstore import protocol as p
+from pdserve.kvstore.checksum import copy_all
 from pdserve.kvstore.config import KVStoreConfig
 from pdserve.kvstore.l1 import L1, ChunkId, Obj
 from pdserve.kvstore.l2 import L2, L2Corrupt
@@ -148,17 +149,20 @@ class Store:
         _check_frames(items, frames)
         stored: list[bool] = []
         errors: list[str | None] = []
+        admitted: list[tuple[ChunkId, Obj, memoryview]] = []
         for it, frame in zip(items, frames):
             cid = (ns, it.group, it.key)
             obj, ok, err = self._admit(cid, it.size)
             if obj is not None:
-                self.l1.view(obj)[:] = frame
-                obj.checksum = it.checksum
-                self.l1.unlease(obj)
-                self.l1.insert(cid, obj)
-                self.metrics.bytes_in.inc(it.size)
+                admitted.append((cid, obj, frame))
             stored.append(ok)
             errors.append(err)
+        sums = copy_all([self.l1.view(obj) for _, obj, _ in admitted], [frame for _, _, frame in admitted])
+        for (cid, obj, _), cs in zip(admitted, sums):
+            obj.checksum = cs
+            self.l1.unlease(obj)
+            self.l1.insert(cid, obj)
+            self.metrics.bytes_in.inc(obj.size)
         return stored, errors
 
     def reserve(self, ns: str, items: Sequence[p.ItemMeta]) -> p.Reserved:
@@ -329,12 +333,11 @@ class Store:
     ) -> None:
         _check_frames(items, frames)
         tail = self._new_tail(ns, request_id, items, ttl_s)
-        for it, frame in zip(items, frames):
-            obj = tail.objs[it.group]
-            self.l1.view(obj)[:] = frame
-            obj.checksum = it.checksum
+        objs = [tail.objs[it.group] for it in items]
+        for obj, cs in zip(objs, copy_all([self.l1.view(obj) for obj in objs], frames)):
+            obj.checksum = cs
             self.l1.unlease(obj)
-            self.metrics.bytes_in.inc(it.size)
+            self.metrics.bytes_in.inc(obj.size)
 
     def reserve_tail(self, ns: str, request_id: str, items: Sequence[p.TailItem], ttl_s: float | None) -> p.Reserved:
         tail = self._new_tail(ns, request_id, items, ttl_s)
