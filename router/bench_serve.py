@@ -1,0 +1,504 @@
+"""`pdserve bench serve`: TTFT, TPOT, ITL and throughput of any OpenAI-compatible endpoint.
+
+Random prompts of an exact input length (checked with the served model's tokenizer)
+go to /v1/completions with `ignore_eos` so every answer has exactly the output length;
+answers are streamed and timed chunk by chunk. Requests arrive at `--request-rate`
+(Poisson; default all at once) with at most `--max-concurrency` in flight; several
+concurrency levels can be given and each is one run. Results go to a JSON file and a
+PNG plot.
+
+`--compare` answers the P/D question on this machine: it brings up a P/D stack
+(store, prefill and decode worker, router), benchmarks it, stops it, then brings up a
+colocated single engine behind the router (decode-only, every prompt prefilled
+locally) and benchmarks it through the router and directly. The handoff overhead is
+P/D TTFT minus colocated TTFT (both through the router); the router overhead is the
+colocated engine through the router minus the same engine addressed directly. The
+stacks run one after the other so neither competes with the other for the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+PERCENTILES = (50, 90, 99)
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark invocation, filled from the CLI."""
+
+    base_url: str
+    model: str | None = None
+    tokenizer: str | None = None
+    input_len: int = 1024
+    output_len: int = 128
+    num_prompts: int = 100
+    max_concurrency: tuple[int | None, ...] = (None,)
+    request_rate: float = math.inf
+    num_warmups: int = 1
+    seed: int = 0
+    goodput: dict[str, float] = field(default_factory=dict)  # metric -> SLO in ms
+    api_key: str | None = None
+    request_timeout: float = 600.0
+    result_dir: Path = Path(".")
+    result_filename: str | None = None
+    disable_tqdm: bool = False
+    compare: bool = False
+    vllm_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1 or self.num_prompts < 1:
+            raise ValueError("--input-len, --output-len and --num-prompts must be at least 1")
+        if any(c is not None and c < 1 for c in self.max_concurrency):
+            raise ValueError("--max-concurrency values must be at least 1")
+        if not self.request_rate > 0:
+            raise ValueError("--request-rate must be positive (inf: all at once)")
+        unknown = set(self.goodput) - set(SLO_METRICS)
+        if unknown:
+            raise ValueError(f"--goodput metrics must be among {SLO_METRICS}, got {sorted(unknown)}")
+
+
+@dataclass
+class RequestResult:
+    """Timings of one streamed request, in seconds."""
+
+    success: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first (0 for one-token answers)."""
+        return (self.e2el - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+
+# ------------------------------------------------------------------ prompts
+
+
+def load_tokenizer(name: str):
+    """The served model's tokenizer (a local folder or a name already in the HF cache)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+def exact_length_prompt(tokenizer, rng: np.random.Generator, length: int, max_tries: int = 50) -> str:
+    """Text that the server's tokenizer turns into exactly `length` prompt tokens.
+
+    Random ids do not survive decode+encode unchanged (byte-level merges, special
+    tokens the server adds), so grow or cut the id list until the re-encoded length,
+    counted as the server counts it (with special tokens), matches.
+    """
+    special = set(tokenizer.all_special_ids)
+    pool = np.array([i for i in range(len(tokenizer)) if i not in special])
+    ids = list(rng.choice(pool, size=length))
+    for _ in range(max_tries):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        got = len(tokenizer(text).input_ids)
+        if got == length:
+            return text
+        if got < length:
+            ids += list(rng.choice(pool, size=length - got))
+        else:
+            ids = ids[: len(ids) - (got - length)] or list(rng.choice(pool, size=1))
+    raise ValueError(f"could not build a prompt of exactly {length} tokens with this tokenizer")
+
+
+def build_prompts(tokenizer, count: int, length: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [exact_length_prompt(tokenizer, rng, length) for _ in range(count)]
+
+
+# ------------------------------------------------------------------ requests
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def served_model(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> dict[str, Any]:
+    """The first model card at base_url (its id, and its `root` path when it is vLLM)."""
+    resp = await client.get(f"{base_url}/v1/models", headers=_headers(api_key))
+    resp.raise_for_status()
+    cards = resp.json().get("data") or []
+    if not cards:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    return cards[0]
+
+
+async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, base_url: str, model: str,
+                       prompt: str) -> RequestResult:
+    """One streamed completion; every chunk that carries a choice counts as a token arrival."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": cfg.output_len, "ignore_eos": True,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=_headers(cfg.api_key),
+                                 timeout=cfg.request_timeout) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"stream error: {chunk['error']}"
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
+                    result.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2el = time.perf_counter() - start
+    result.success = result.ttft > 0.0 and result.output_tokens > 0
+    if not result.success:
+        result.error = "stream ended without tokens or usage"
+    return result
+
+
+async def run_load(cfg: BenchConfig, base_url: str, model: str, prompts: list[str], warmup: list[str],
+                   concurrency: int | None, label: str) -> tuple[list[RequestResult], float]:
+    """Warm up, then send every prompt at the configured rate and concurrency."""
+    limits = httpx.Limits(max_connections=concurrency or len(prompts), max_keepalive_connections=concurrency or 100)
+    async with httpx.AsyncClient(limits=limits, timeout=cfg.request_timeout) as client:
+        for prompt in warmup:
+            result = await send_request(client, cfg, base_url, model, prompt)
+            if not result.success:
+                raise RuntimeError(f"warm-up request to {base_url} failed: {result.error}")
+        gate = asyncio.Semaphore(concurrency) if concurrency else None
+        rng = np.random.default_rng(cfg.seed + 1)
+        bar = tqdm(total=len(prompts), desc=label, disable=cfg.disable_tqdm, file=sys.stderr, leave=False)
+
+        async def one(prompt: str) -> RequestResult:
+            if gate is None:
+                result = await send_request(client, cfg, base_url, model, prompt)
+            else:
+                async with gate:
+                    result = await send_request(client, cfg, base_url, model, prompt)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(one(prompt)))
+            if math.isfinite(cfg.request_rate):
+                await asyncio.sleep(rng.exponential(1.0 / cfg.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    return list(results), duration
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def _stats_ms(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
+    arr = np.asarray(values) * 1000.0
+    return {"mean": float(arr.mean()), **{f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES}}
+
+
+def summarize(results: list[RequestResult], duration: float, goodput: dict[str, float]) -> dict[str, Any]:
+    """Aggregate metrics of one run (times in ms, throughputs per second)."""
+    ok = [r for r in results if r.success]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    metrics: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.success})[:5],
+        "duration_s": duration,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "mean_input_tokens": in_tokens / len(ok) if ok else math.nan,
+        "mean_output_tokens": out_tokens / len(ok) if ok else math.nan,
+        "request_throughput": len(ok) / duration if duration > 0 else math.nan,
+        "output_throughput": out_tokens / duration if duration > 0 else math.nan,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else math.nan,
+        "ttft_ms": _stats_ms([r.ttft for r in ok]),
+        "tpot_ms": _stats_ms([r.tpot for r in ok if r.output_tokens > 1]),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itl]),
+        "e2el_ms": _stats_ms([r.e2el for r in ok]),
+    }
+    if goodput:
+        good = [r for r in ok if all(getattr(r, m) * 1000.0 <= slo for m, slo in goodput.items())]
+        metrics["goodput"] = {
+            "slo_ms": dict(goodput),
+            "good_requests": len(good),
+            "fraction": len(good) / len(results),
+            "request_throughput": len(good) / duration if duration > 0 else math.nan,
+        }
+    return metrics
+
+
+@dataclass
+class Run:
+    """One measured run: where it went, how, and what came out."""
+
+    label: str
+    base_url: str
+    max_concurrency: int | None
+    metrics: dict[str, Any]
+    results: list[RequestResult] = field(repr=False, default_factory=list)
+
+
+def comparison(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per concurrency: P/D vs colocated TTFT (handoff overhead) and router vs direct (router overhead)."""
+    by = {(r.label, r.max_concurrency): r.metrics for r in runs}
+    rows = []
+    for conc in sorted({r.max_concurrency for r in runs}, key=lambda c: math.inf if c is None else c):
+        pd, coloc, direct = (by.get((name, conc)) for name in ("pd", "colocated-router", "colocated-direct"))
+        if not (pd and coloc and direct):
+            continue
+        pd_ttft, coloc_ttft, direct_ttft = (m["ttft_ms"]["p50"] for m in (pd, coloc, direct))
+        rows.append({
+            "max_concurrency": conc,
+            "pd_ttft_p50_ms": pd_ttft,
+            "colocated_ttft_p50_ms": coloc_ttft,
+            "direct_ttft_p50_ms": direct_ttft,
+            "handoff_overhead_p50_ms": pd_ttft - coloc_ttft,
+            "handoff_ttft_ratio": pd_ttft / coloc_ttft if coloc_ttft else math.nan,
+            "router_overhead_p50_ms": coloc_ttft - direct_ttft,
+            "pd_tpot_p50_ms": pd["tpot_ms"]["p50"],
+            "colocated_tpot_p50_ms": coloc["tpot_ms"]["p50"],
+        })
+    return rows
+
+
+# ------------------------------------------------------------------ output
+
+
+def plot(runs: list[Run], path: Path) -> None:
+    """TTFT and ITL distributions (CDFs) and p50 TPOT per run, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for run in runs:
+        name = f"{run.label} c={run.max_concurrency or 'inf'}"
+        ok = [r for r in run.results if r.success]
+        for ax, values in ((axes[0], [r.ttft for r in ok]), (axes[1], [x for r in ok for x in r.itl])):
+            if values:
+                xs = np.sort(np.asarray(values) * 1000.0)
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+        axes[2].bar(name, run.metrics["tpot_ms"]["p50"])
+    for ax, title in zip(axes[:2], ("TTFT", "inter-token latency")):
+        ax.set(title=f"{title} CDF", xlabel="ms", ylabel="fraction of requests" if title == "TTFT" else "fraction")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[2].set(title="TPOT p50", ylabel="ms")
+    axes[2].tick_params(axis="x", labelrotation=30, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
+    header = f"{'run':<20}{'conc':>6}{'ok':>5}{'fail':>5}{'req/s':>8}{'out tok/s':>10}" \
+             f"{'TTFT p50':>10}{'p90':>9}{'p99':>9}{'TPOT p50':>10}{'ITL p50':>9}{'p99':>9}"
+    print(header)
+    for run in runs:
+        m = run.metrics
+        print(f"{run.label:<20}{run.max_concurrency or 'inf':>6}{m['completed']:>5}{m['failed']:>5}"
+              f"{m['request_throughput']:>8.2f}{m['output_throughput']:>10.1f}"
+              f"{m['ttft_ms']['p50']:>10.1f}{m['ttft_ms']['p90']:>9.1f}{m['ttft_ms']['p99']:>9.1f}"
+              f"{m['tpot_ms']['p50']:>10.2f}{m['itl_ms']['p50']:>9.2f}{m['itl_ms']['p99']:>9.2f}")
+        if "goodput" in m:
+            g = m["goodput"]
+            print(f"{'':<20}goodput {g['request_throughput']:.2f} req/s ({g['fraction']:.0%} within {g['slo_ms']})")
+    for row in rows:
+        print(f"concurrency {row['max_concurrency'] or 'inf'}: handoff overhead (P/D - colocated TTFT p50) "
+              f"{row['handoff_overhead_p50_ms']:.1f} ms (x{row['handoff_ttft_ratio']:.2f}); "
+              f"router overhead {row['router_overhead_p50_ms']:.2f} ms")
+
+
+def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
+    stem = cfg.result_filename or f"bench-serve-{datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+    json_path = cfg.result_dir / stem
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    config["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate
+    doc = {
+        "config": config,
+        "runs": [{"label": r.label, "base_url": r.base_url, "max_concurrency": r.max_concurrency,
+                  "metrics": r.metrics} for r in runs],
+        "comparison": rows,
+    }
+    json_path.write_text(json.dumps(doc, indent=2, allow_nan=True) + "\n")
+    png_path = json_path.with_suffix(".png")
+    plot(runs, png_path)
+    return json_path, png_path
+
+
+# ------------------------------------------------------------------ orchestration
+
+
+async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, tokenizer=None) -> list[Run]:
+    """Every concurrency level against one base URL; returns one Run per level."""
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        card = await served_model(client, base_url, cfg.api_key)
+    model = cfg.model or str(card["id"])
+    if tokenizer is None:
+        name = cfg.tokenizer or (card.get("root") if Path(str(card.get("root"))).is_dir() else model)
+        tokenizer = load_tokenizer(name)
+    prompts = build_prompts(tokenizer, cfg.num_prompts, cfg.input_len, cfg.seed)
+    warmup = build_prompts(tokenizer, cfg.num_warmups, cfg.input_len, cfg.seed + 10_000)
+    runs = []
+    for conc in cfg.max_concurrency:
+        results, duration = await run_load(cfg, base_url, model, prompts, warmup, conc,
+                                           f"{label} c={conc or 'inf'}")
+        runs.append(Run(label, base_url, conc, summarize(results, duration, cfg.goodput), results))
+    return runs
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def compare_stacks(cfg: BenchConfig) -> list[Run]:
+    """P/D stack, then a colocated engine (through the router and direct), one after the other."""
+    from pdserve.deploy.local import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS, LocalStack, StackConfig, tiny_model_dir
+
+    if cfg.model:
+        model, served, vllm_args, env = cfg.model, cfg.model, cfg.vllm_args, {}
+    else:
+        model, served = str(tiny_model_dir()), TINY_SERVED_NAME
+        vllm_args, env = (*TINY_VLLM_ARGS, *cfg.vllm_args), dict(TINY_ENGINE_ENV)
+    tokenizer = load_tokenizer(cfg.tokenizer or model)
+    bench = BenchConfig(**{**asdict(cfg), "model": served})
+
+    def stack(**kw: Any) -> StackConfig:
+        return StackConfig(model=model, served_model_name=served, tokenizer=model if Path(model).is_dir() else None,
+                           vllm_args=tuple(vllm_args), engine_env=env, port=_free_port(),
+                           prefill_port=_free_port(), decode_port=_free_port(), kvstore_port=_free_port(),
+                           kvstore_http_port=_free_port(), api_key=cfg.api_key, **kw)
+
+    runs: list[Run] = []
+    pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
+    with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm):
+        runs += asyncio.run(bench_endpoint(bench, pd.router_url, "pd", tokenizer))
+    coloc = stack(num_prefill=0, num_decode=1, connector=False, pd_min_prompt_tokens=10**9)
+    with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):
+        runs += asyncio.run(bench_endpoint(bench, coloc.router_url, "colocated-router", tokenizer))
+        runs += asyncio.run(bench_endpoint(bench, coloc.worker_urls("decode")[0], "colocated-direct", tokenizer))
+    return runs
+
+
+def _concurrency(value: str) -> int | None:
+    return None if value in ("inf", "0", "none") else int(value)
+
+
+def _slo(value: str) -> tuple[str, float]:
+    metric, sep, ms = value.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected METRIC:MS (e.g. ttft:500), got {value!r}")
+    return metric, float(ms)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = BenchConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(
+        prog="pdserve bench serve",
+        description="Benchmark an OpenAI-compatible endpoint: TTFT, TPOT, ITL, throughput, goodput. "
+                    "With --compare, arguments after `--` go to the vLLM workers it starts.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to benchmark (without /v1)")
+    p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models); "
+                   "with --compare, the model the stacks serve (default: the tiny DeepSeek-V3)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for exact prompt lengths (default: the model's folder)")
+    p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=d["input_len"].default)
+    p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=d["output_len"].default)
+    p.add_argument("--num-prompts", type=int, default=d["num_prompts"].default)
+    p.add_argument("--max-concurrency", type=_concurrency, nargs="+", default=[None],
+                   help="requests in flight at most; several values give one run each (inf: unlimited)")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second, Poisson (inf: all at once)")
+    p.add_argument("--num-warmups", type=int, default=d["num_warmups"].default, help="unmeasured requests first")
+    p.add_argument("--seed", type=int, default=d["seed"].default)
+    p.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="METRIC:MS",
+                   help=f"SLOs for goodput, metrics among {SLO_METRICS}, e.g. ttft:500 tpot:50")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-timeout", type=float, default=d["request_timeout"].default)
+    p.add_argument("--result-dir", type=Path, default=Path("."))
+    p.add_argument("--result-filename", default=None, help="JSON file name (the PNG takes the same stem)")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--compare", action="store_true",
+                   help="start a P/D stack and a colocated single-engine stack here and benchmark both")
+    return p
+
+
+def config_from_args(argv: Sequence[str]) -> BenchConfig:
+    argv = list(argv)
+    vllm_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, vllm_args = argv[:cut], argv[cut + 1 :]
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if vllm_args and not a.compare:
+        parser.error("arguments after `--` are for the engines --compare starts")
+    try:
+        return BenchConfig(
+            base_url=a.base_url.rstrip("/").removesuffix("/v1"), model=a.model, tokenizer=a.tokenizer,
+            input_len=a.input_len, output_len=a.output_len, num_prompts=a.num_prompts,
+            max_concurrency=tuple(a.max_concurrency), request_rate=a.request_rate, num_warmups=a.num_warmups,
+            seed=a.seed, goodput=dict(a.goodput), api_key=a.api_key, request_timeout=a.request_timeout,
+            result_dir=a.result_dir, result_filename=a.result_filename, disable_tqdm=a.disable_tqdm,
+            compare=a.compare, vllm_args=tuple(vllm_args),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = config_from_args(sys.argv[1:] if argv is None else argv)
+    try:
+        runs = compare_stacks(cfg) if cfg.compare else asyncio.run(bench_endpoint(cfg, cfg.base_url, "endpoint"))
+    except (RuntimeError, httpx.HTTPError, OSError, ValueError) as exc:
+        print(f"pdserve bench serve: {exc}", file=sys.stderr)
+        return 1
+    rows = comparison(runs)
+    print_summary(runs, rows)
+    json_path, png_path = write_results(cfg, runs, rows)
+    print(f"results: {json_path}\nplot: {png_path}")
+    return 0 if all(r.metrics["failed"] == 0 for r in runs) else 1
