@@ -148,17 +148,19 @@ class _Ops:
             log.warning("kvstore: %d objects larger than L1 (%d bytes) not sent", len(items) - len(send), info.max_object_bytes)
         if not send:
             return stored
-        metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in send]
-        if self.arena is not None:
-            reserved = _expect((yield _Send(p.Put(ns=ns, items=metas, shm=True))), p.Reserved, self.url)
-            _check_len(reserved.slots, metas, self.url)
-            outcome = yield from self._fill([views[i] for i in send], reserved)
-        else:
-            rep = _expect((yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in send])), p.Stored, self.url)
-            _check_len(rep.stored, metas, self.url)
-            outcome = rep.stored
-        for i, ok in zip(send, outcome):
-            stored[i] = ok
+        for part in p.split_by_bytes([len(views[i]) for i in send], info.l1_bytes // 4):
+            idx = [send[j] for j in part]
+            metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in idx]
+            if self.arena is not None:
+                reserved = _expect((yield _Send(p.Put(ns=ns, items=metas, shm=True))), p.Reserved, self.url)
+                _check_len(reserved.slots, metas, self.url)
+                outcome = yield from self._fill([views[i] for i in idx], reserved)
+            else:
+                rep = _expect((yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in idx])), p.Stored, self.url)
+                _check_len(rep.stored, metas, self.url)
+                outcome = rep.stored
+            for i, ok in zip(idx, outcome):
+                stored[i] = ok
         return stored
 
     def _fill(self, views: list[memoryview], reserved: p.Reserved) -> _Op[list[bool]]:
@@ -205,12 +207,22 @@ class _Ops:
         yield from self.info()
         if out is not None and len(out) != len(items):
             raise KVStoreError(f"{len(out)} output buffers for {len(items)} items")
-        msg = p.Get(ns=ns, items=[p.ItemRef(g, k) for g, k in items], shm=self.arena is not None)
-        got = yield _Send(msg)
-        rep = _expect(got, p.Loaded, self.url)
-        _check_len(rep.items, items, self.url)
-        keys = [(ns, g, k) for g, k in items]
-        return (yield from self._receive(rep.items, keys, got[1], out))
+        results: list[memoryview | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        while pending:
+            msg = p.Get(ns=ns, items=[p.ItemRef(*items[i]) for i in pending], shm=self.arena is not None)
+            got = yield _Send(msg)
+            rep = _expect(got, p.Loaded, self.url)
+            _check_len(rep.items, pending, self.url)
+            keys = [(ns, *items[i]) for i in pending]
+            outs = None if out is None else [out[i] for i in pending]
+            views = yield from self._receive(rep.items, keys, got[1], outs)
+            for i, view in zip(pending, views):
+                results[i] = view
+            if not any(f is not None for f in rep.items):
+                break  # no progress: what is left stays a miss
+            pending = [pending[j] for j in rep.retry if 0 <= j < len(pending)]
+        return results
 
     def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> _Op[dict[int, memoryview] | None]:
         yield from self.info()

@@ -17,7 +17,7 @@ arena space and answers `Reserved`; the client copies the payloads in and sends
 from __future__ import annotations
 
 import re
-from typing import Union
+from typing import Sequence, Union
 
 import msgspec
 
@@ -209,9 +209,14 @@ class Reserved(_Rep, tag="reserved"):
 
 
 class Loaded(_Rep, tag="loaded"):
-    """Per item: found or None (miss); TCP payload frames follow in order of the found items."""
+    """Per item: found or None (miss); TCP payload frames follow in order of the found items.
+
+    `retry` lists items that are stored (in L2) but found no unleased room in L1 this
+    time: the client asks again for them after releasing what it just loaded.
+    """
 
     items: list[Found | None]
+    retry: list[int] = []
 
 
 class TailLoaded(_Rep, tag="tail"):
@@ -244,6 +249,24 @@ def decode_request(data: bytes | memoryview) -> Request:
 
 def decode_reply(data: bytes | memoryview) -> Reply:
     return _reply_decoder.decode(data)
+
+
+def split_by_bytes(sizes: Sequence[int], budget: int) -> list[range]:
+    """Consecutive index ranges of at most `budget` bytes each (a larger item gets a range of its own).
+
+    A batch is written under leases that pin its L1 space until committed; splitting
+    keeps one big batch from pinning all of L1 (and lets earlier parts be evicted).
+    """
+    out: list[range] = []
+    start, acc = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and acc + size > budget:
+            out.append(range(start, i))
+            start, acc = i, 0
+        acc += size
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
 
 
 class BadRequest(ValueError):

@@ -25,6 +25,7 @@ from pdserve.kvstore.shm import Arena
 log = logging.getLogger(__name__)
 
 TailKey = tuple[str, str]  # (namespace, request id)
+_NO_ROOM = Obj(id=0, offset=0, size=0, span=0)  # sentinel: stored in L2, no unleased room in L1 now
 MAX_TAIL_TTL_S = 3600.0
 
 
@@ -59,6 +60,7 @@ class Loaded:
     shm: bool
     objs: list[Obj] = field(default_factory=list)
     leases: list[int] = field(default_factory=list)
+    retry: list[int] = field(default_factory=list)  # in L2, no room in L1 right now
 
 
 class Store:
@@ -75,6 +77,7 @@ class Store:
         self._next_lease = 1
         metrics.tier_capacity.labels("l1").set(self.l1.capacity)
         metrics.tier_capacity.labels("l2").set(cfg.l2_bytes)
+        self.refresh_gauges()
 
     @property
     def max_object_bytes(self) -> int:
@@ -149,20 +152,21 @@ class Store:
         _check_frames(items, frames)
         stored: list[bool] = []
         errors: list[str | None] = []
-        admitted: list[tuple[ChunkId, Obj, memoryview]] = []
-        for it, frame in zip(items, frames):
-            cid = (ns, it.group, it.key)
-            obj, ok, err = self._admit(cid, it.size)
-            if obj is not None:
-                admitted.append((cid, obj, frame))
-            stored.append(ok)
-            errors.append(err)
-        sums = copy_all([self.l1.view(obj) for _, obj, _ in admitted], [frame for _, _, frame in admitted])
-        for (cid, obj, _), cs in zip(admitted, sums):
-            obj.checksum = cs
-            self.l1.unlease(obj)
-            self.l1.insert(cid, obj)
-            self.metrics.bytes_in.inc(obj.size)
+        for part in p.split_by_bytes([it.size for it in items], self.max_object_bytes // 4):
+            admitted: list[tuple[ChunkId, Obj, memoryview]] = []
+            for i in part:
+                cid = (ns, items[i].group, items[i].key)
+                obj, ok, err = self._admit(cid, items[i].size)
+                if obj is not None:
+                    admitted.append((cid, obj, frames[i]))
+                stored.append(ok)
+                errors.append(err)
+            sums = copy_all([self.l1.view(obj) for _, obj, _ in admitted], [frame for _, _, frame in admitted])
+            for (cid, obj, _), cs in zip(admitted, sums):
+                obj.checksum = cs
+                self.l1.unlease(obj)
+                self.l1.insert(cid, obj)
+                self.metrics.bytes_in.inc(obj.size)
         return stored, errors
 
     def reserve(self, ns: str, items: Sequence[p.ItemMeta]) -> p.Reserved:
@@ -219,12 +223,16 @@ class Store:
             p.check_group(ref.group)
             p.check_key(ref.key)
         out = Loaded(found=[], shm=shm)
-        for ref in refs:
+        for i, ref in enumerate(refs):
             cid = (ns, ref.group, ref.key)
             obj = self.l1.get(cid)
             tier = "l1"
             if obj is None and self.l2 is not None and self.l2.contains(cid):
                 obj, tier = self._promote(cid), "l2"
+                if obj is _NO_ROOM:
+                    out.retry.append(i)
+                    out.found.append(None)
+                    continue
             if obj is None:
                 self.metrics.misses.inc()
                 out.found.append(None)
@@ -242,7 +250,7 @@ class Store:
         return p.Found(obj.id, obj.size, obj.checksum, lease if shm else 0, obj.offset if shm else -1)
 
     def _promote(self, cid: ChunkId) -> Obj | None:
-        """Copy an L2 object back into L1 (verifying it); None if corrupt or no room."""
+        """Copy an L2 object back into L1 (verifying it); None if corrupt, _NO_ROOM if L1 is all leased."""
         assert self.l2 is not None
         fresh: list[Obj] = []
 
@@ -263,7 +271,7 @@ class Store:
                 self.l1.discard(obj)
             return None
         if cs is None:
-            return None
+            return _NO_ROOM
         obj = fresh[0]
         obj.checksum = cs
         self.l1.unlease(obj)

@@ -54,7 +54,7 @@ class ZmqServer:
             p.Get: self._get,
             p.GetTail: self._get_tail,
             p.DropTail: lambda r, f: (store.drop_tail(r.ns, r.request_id) or p.Ok(), None),
-            p.Stats: lambda r, f: (p.StatsReply(stats=self.metrics.snapshot()), None),
+            p.Stats: self._stats,
         }
 
     # ------------------------------------------------------------ loop
@@ -156,6 +156,10 @@ class ZmqServer:
             None,
         )
 
+    def _stats(self, req: p.Stats, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+        self.store.refresh_gauges()
+        return p.StatsReply(stats=self.metrics.snapshot()), None
+
     def _put(self, req: p.Put, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
         if req.shm:
             if frames:
@@ -177,8 +181,9 @@ class ZmqServer:
         return p.Stored(stored=stored, errors=errors), None
 
     def _get(self, req: p.Get, frames: list[memoryview]) -> tuple[msgspec.Struct, Loaded]:
+        self._reap_sent()  # leases of frames already sent make room for promotions from L2
         loaded = self.store.get(req.ns, req.items, req.shm)
-        return p.Loaded(items=loaded.found), loaded
+        return p.Loaded(items=loaded.found, retry=loaded.retry), loaded
 
     def _get_tail(self, req: p.GetTail, frames: list[memoryview]) -> tuple[msgspec.Struct, Loaded | None]:
         found = self.store.get_tail(req.ns, req.request_id, req.shm)

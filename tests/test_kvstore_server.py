@@ -1,0 +1,364 @@
+"""The KV store server end to end: real `pdserve kvstore` processes, real ZMQ, real HTTP, real files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+from kvstore_fixtures import LAYOUT, KVStoreProc, start_kvstore
+from procs import free_port
+
+from pdserve.kvstore import protocol as p
+from pdserve.kvstore.bench import main as bench_main
+from pdserve.kvstore.client import AsyncKVStoreClient, KVStoreClient, KVStoreError
+from pdserve.kvstore.server import main as server_main
+from pdserve.kvstore.shm import Arena
+
+NS = LAYOUT.namespace()
+MIB = 1 << 20
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll `cond` (a wait for an event, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def stat(c: KVStoreClient, name: str) -> float:
+    return c.stats().get(name, 0.0)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[KVStoreProc]:
+    """A shared server with a 24 MiB L1 and a short default tail TTL."""
+    srv = start_kvstore("--tail-ttl-s", "60", l1_size_gb=24 / 1024)
+    yield srv
+    srv.stop()
+
+
+def keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+# ------------------------------------------------------------------ namespaces, HTTP
+
+
+def test_namespaces_are_isolated(server: KVStoreProc) -> None:
+    other = LAYOUT.__class__(model="another-model", groups=LAYOUT.groups)
+    with KVStoreClient(server.url) as c:
+        ns_a, ns_b = c.register_layout(LAYOUT), c.register_layout(other)
+        assert ns_a != ns_b
+        k = keys(2)
+        assert c.put(ns_a, [(0, k[0], b"A"), (0, k[1], b"A")]) == [True, True]
+        assert c.lookup(ns_b, k, [0]) == 0
+        assert c.get(ns_b, [(0, k[0])]) == [None]
+        with pytest.raises(KVStoreError, match="hashes to namespace") as err:
+            c.register_layout(other, namespace=ns_a)
+        assert err.value.code == "conflict"
+
+
+def test_http_health_metrics_stats(server: KVStoreProc) -> None:
+    with KVStoreClient(server.url) as c:
+        k = keys(1)
+        c.put(NS, [(0, k[0], b"payload")])
+        c.get(NS, [(0, k[0]), (0, b"missing-key")])
+    with urllib.request.urlopen(server.http + "/health") as r:
+        assert json.load(r)["status"] == "ok"
+    with urllib.request.urlopen(server.http + "/metrics") as r:
+        text = r.read().decode()
+    for name in ("hits_total", "misses_total", "bytes_in_total", "bytes_out_total", "evictions_total",
+                 "tier_bytes", "live_tails", "errors_total", "checksum_mismatches_total"):
+        assert f"pdserve_kvstore_{name}" in text
+    with urllib.request.urlopen(server.http + "/stats") as r:
+        stats = json.load(r)
+    assert stats["chunk_size"] == 256
+    assert stats["metrics"]["hits_total{tier=l1}"] >= 1 and stats["metrics"]["misses_total"] >= 1
+
+
+# ------------------------------------------------------------------ LRU and leases under concurrency
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_concurrent_clients_evict_lru_and_never_see_torn_data(server: KVStoreProc, shm: bool) -> None:
+    """Four writers/readers overflow L1 (24 MiB) many times; whatever a get returns is exactly what was put."""
+    errors: list[str] = []
+    loaded = [0]
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        mine: list[tuple[bytes, bytes]] = []
+        with KVStoreClient(server.url, shm=shm, timeout_s=30) as c:
+            for _ in range(12):
+                batch = [(os.urandom(16), rng.bytes(int(rng.integers(200_000, 1_200_000)))) for _ in range(4)]
+                if not all(c.put(NS, [(1, k, d) for k, d in batch])):
+                    errors.append("put refused")
+                mine.extend(batch)
+                picks = [mine[int(i)] for i in rng.integers(0, len(mine), 6)]
+                for (k, d), got in zip(picks, c.get(NS, [(1, k) for k, _ in picks])):
+                    if got is not None:
+                        loaded[0] += 1
+                        if bytes(got) != d:
+                            errors.append("torn or foreign payload")
+
+    with KVStoreClient(server.url) as c:
+        before = stat(c, "evictions_total{tier=l1}")
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert loaded[0] > 0
+        assert stat(c, "evictions_total{tier=l1}") > before  # 4 x 12 x 4 x ~0.7 MiB >> 24 MiB
+        assert stat(c, "checksum_mismatches_total{tier=l1}") == 0
+        wait_until(lambda: stat(c, "leases") == 0, "all leases to be released")
+        assert stat(c, "tier_bytes{tier=l1}") <= 24 * MIB
+
+
+def test_most_recently_used_survives_eviction(server: KVStoreProc) -> None:
+    with KVStoreClient(server.url) as c:
+        hot = keys(1)[0]
+        c.put(NS, [(0, hot, b"h" * MIB)])
+        for _ in range(6):  # 60 MiB through a 24 MiB L1, touching `hot` in between
+            assert c.lookup(NS, [hot], [0]) == 1
+            assert all(c.put(NS, [(0, k, os.urandom(MIB)) for k in keys(10)]))
+        assert bytes(c.get(NS, [(0, hot)])[0]) == b"h" * MIB
+
+
+# ------------------------------------------------------------------ tails
+
+
+def test_tail_expires_after_ttl(server: KVStoreProc) -> None:
+    with KVStoreClient(server.url) as c:
+        c.put_tail(NS, "req-ttl", [(0, b"tail")], ttl_s=0.2)
+        c.put_tail(NS, "req-keep", [(0, b"keep")])
+        assert stat(c, "live_tails") >= 2
+        wait_until(lambda: c.get_tail(NS, "req-ttl") is None, "the tail to expire")
+        kept = c.get_tail(NS, "req-keep")
+        assert kept is not None and bytes(kept[0]) == b"keep"
+        wait_until(lambda: stat(c, "live_tails") == 0, "the live-tail gauge to drop")
+        with pytest.raises(KVStoreError, match="ttl"):
+            c.put_tail(NS, "req-bad", [(0, b"x")], ttl_s=-1)
+        with pytest.raises(KVStoreError, match="twice"):
+            c.put_tail(NS, "req-bad", [(0, b"x"), (0, b"y")])
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def raw_socket(server: KVStoreProc) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.url)
+    return sock
+
+
+def raw_call(sock: zmq.Socket, frames: list[bytes], timeout_ms: int = 10_000) -> p.Reply | None:
+    sock.send_multipart(frames)
+    if not sock.poll(timeout_ms):
+        return None
+    return p.decode_reply(sock.recv_multipart()[0])
+
+
+def header(msg: msgspec.Struct, req_id: int = 5) -> bytes:
+    msg.id = req_id
+    return p.encode(msg)
+
+
+@pytest.mark.parametrize(
+    "frames, message",
+    [
+        ([b"\xc1\xc1 not msgpack"], ""),
+        ([msgspec.msgpack.encode({"op": "rm_rf", "id": 5})], "op"),
+        ([msgspec.msgpack.encode({"op": "get", "id": 5, "ns": 3})], ""),
+        ([header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k1", 3), p.ItemMeta(0, b"k2", 3)])), b"abc"], "truncated"),
+        ([header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k1", 3)])), b"abcdef"], "header says 3 bytes"),
+        ([header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k1", 3)], shm=True)), b"abc"], "no payload frames"),
+        ([header(p.Lookup(ns="../../etc", groups=[0], keys=[b"k"]))], "invalid namespace"),
+        ([header(p.Lookup(ns=NS, groups=[5000], keys=[b"k"]))], "out of range"),
+        ([header(p.Lookup(ns=NS, groups=[], keys=[b"k"]))], "at least one"),
+        ([header(p.Get(ns=NS, items=[p.ItemRef(0, b"")]))], "chunk key"),
+        ([header(p.Lookup(ns=NS, groups=[0], keys=[b"k"] * (p.MAX_ITEMS + 1)))], "exceeds"),
+        ([header(p.Commit(leases=[1, 2], checksums=[1]))], "2 leases but 1 checksums"),
+    ],
+    ids=["garbage", "unknown-op", "wrong-type", "truncated", "size-mismatch", "shm-with-frames", "path-namespace",
+         "group-range", "no-groups", "empty-key", "too-many-items", "commit-mismatch"],
+)
+def test_bad_messages_get_error_replies(server: KVStoreProc, frames: list[bytes], message: str) -> None:
+    sock = raw_socket(server)
+    try:
+        reply = raw_call(sock, frames)
+    finally:
+        sock.close()
+    assert isinstance(reply, p.Error), reply
+    assert reply.code == "bad_request" and message in reply.message
+
+
+def test_server_survives_hostile_input_with_data_intact(server: KVStoreProc) -> None:
+    with KVStoreClient(server.url) as c:
+        k = keys(1)[0]
+        c.put(NS, [(0, k, b"precious")])
+        # raw bytes that are not ZMQ at all
+        for junk in (b"GET / HTTP/1.1\r\n\r\n", os.urandom(4096), b"\xff" * 64):
+            with socket.create_connection(("127.0.0.1", server.port)) as s:
+                s.sendall(junk)
+        # a frame beyond MAXMSGSIZE (L1 + header limit): the server drops that connection
+        sock = raw_socket(server)
+        try:
+            big = np.zeros(24 * MIB + p.MAX_HEADER_BYTES + 1, dtype=np.uint8)
+            assert raw_call(sock, [header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k", len(big))])), big], 2000) is None
+        finally:
+            sock.close()
+        # unknown leases, corrupt reports for objects that do not exist, an empty message
+        sock = raw_socket(server)
+        try:
+            sock.send_multipart([header(p.Release(leases=[10**9, -1], corrupt=[p.Corrupt(NS, 0, b"nope", 3)]))])
+            reply = raw_call(sock, [header(p.Commit(leases=[10**9], checksums=[0]))])
+            assert isinstance(reply, p.Stored) and reply.stored == [False]
+        finally:
+            sock.close()
+        assert server.proc.alive()
+        assert bytes(c.get(NS, [(0, k)])[0]) == b"precious"
+        assert stat(c, "errors_total{code=internal}") == 0
+
+
+# ------------------------------------------------------------------ client behaviour
+
+
+def test_timeout_names_the_url_and_recovers() -> None:
+    url = f"tcp://127.0.0.1:{free_port()}"
+    with KVStoreClient(url, timeout_s=0.3) as c:
+        for _ in range(2):  # the socket is reset after a timeout: the next call times out cleanly too
+            with pytest.raises(KVStoreError, match=url.replace(".", r"\.")):
+                c.info()
+    with pytest.raises(KVStoreError, match="tcp://host:port"):
+        KVStoreClient("127.0.0.1:5556")
+
+
+async def test_async_client(server: KVStoreProc) -> None:
+    async with AsyncKVStoreClient(server.url) as c:
+        assert (await c.info()).chunk_size == 256
+        ns = await c.register_layout(LAYOUT)
+        k = keys(8)
+        payloads = [os.urandom(1000 * (i + 1)) for i in range(8)]
+        # concurrent coroutines on one client are serialised, not interleaved
+        results = await asyncio.gather(*(c.put(ns, [(0, k[i], payloads[i])]) for i in range(8)))
+        assert results == [[True]] * 8
+        assert await c.lookup(ns, k, [0]) == 8
+        got = await c.get(ns, [(0, key) for key in k])
+        assert [bytes(g) for g in got] == payloads
+        await c.put_tail(ns, "async-req", [(1, b"t")])
+        tail = await c.get_tail(ns, "async-req")
+        assert tail is not None and bytes(tail[1]) == b"t"
+        await c.drop_tail(ns, "async-req")
+        assert "requests_total{op=put}" in await c.stats()
+    async with AsyncKVStoreClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.3) as dead:
+        with pytest.raises(KVStoreError, match="no reply"):
+            await dead.info()
+
+
+# ------------------------------------------------------------------ corruption in shared memory
+
+
+def test_scribbled_shared_memory_is_a_miss_and_counted(server: KVStoreProc) -> None:
+    with KVStoreClient(server.url, shm=False) as c:
+        info = c.info()
+        assert info.shm_path is not None and info.shm_nonce is not None
+        k = keys(1)[0]
+        assert c.put(NS, [(0, k, os.urandom(50_000))]) == [True]
+        before = stat(c, "checksum_mismatches_total{tier=l1}")
+        arena = Arena.attach(info.shm_path, info.shm_nonce, info.shm_size)
+        try:
+            view = np.frombuffer(arena.view, dtype=np.uint8)
+            view ^= 0x5A  # a rogue same-host process flips every byte of the arena
+            del view
+        finally:
+            arena.close()
+        assert c.get(NS, [(0, k)]) == [None]
+        wait_until(lambda: stat(c, "checksum_mismatches_total{tier=l1}") > before, "the mismatch to be counted")
+        assert c.lookup(NS, [k], [0]) == 0  # the corrupt object was dropped
+
+
+# ------------------------------------------------------------------ auth and start-up checks
+
+
+def test_auth_token_required() -> None:
+    srv = start_kvstore("--auth-token", "s3cret")
+    try:
+        with KVStoreClient(srv.url) as anon:
+            with pytest.raises(KVStoreError, match="auth token") as err:
+                anon.info()
+            assert err.value.code == "unauthorized"
+        with KVStoreClient(srv.url, auth_token="wrong") as bad:
+            with pytest.raises(KVStoreError, match="unauthorized"):
+                bad.lookup(NS, [b"k"], [0])
+        with KVStoreClient(srv.url, auth_token="s3cret") as good:
+            assert good.put(NS, [(0, b"key", b"v")]) == [True]
+            assert bytes(good.get(NS, [(0, b"key")])[0]) == b"v"
+            assert good.stats()["errors_total{code=unauthorized}"] == 2
+    finally:
+        srv.stop()
+
+
+def test_refuses_public_bind_without_token(capsys: pytest.CaptureFixture[str]) -> None:
+    assert server_main(["--host", "0.0.0.0", "--port", str(free_port()), "--http-port", "0"]) == 2
+    assert "--auth-token is required" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ L2
+
+
+def test_l2_spill_restart_and_corrupt_file(tmp_path: Path) -> None:
+    flags = ("--l2-path", str(tmp_path), "--l2-size-gb", "0.5")
+    srv = start_kvstore(*flags, l1_size_gb=8 / 1024)
+    payloads = {k: os.urandom(MIB) for k in keys(20)}  # 20 MiB through an 8 MiB L1
+    try:
+        with KVStoreClient(srv.url) as c:
+            assert all(c.put(NS, [(0, k, d) for k, d in payloads.items()]))
+            assert stat(c, "evictions_total{tier=l1}") >= 12
+            assert c.lookup(NS, list(payloads), [0]) == 20  # L1 + L2 together
+    finally:
+        assert srv.stop() == 0  # SIGTERM: a clean exit
+    spilled = list(tmp_path.rglob("*.kv"))
+    assert len(spilled) >= 12
+    victim = spilled[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+
+    srv = start_kvstore(*flags, l1_size_gb=8 / 1024)
+    try:
+        with KVStoreClient(srv.url) as c:
+            assert stat(c, "tier_objects{tier=l2}") == len(spilled)
+            got = c.get(NS, [(0, k) for k in payloads])
+            good = [bytes(g) == payloads[k] for k, g in zip(payloads, got) if g is not None]
+            assert all(good) and len(good) == len(spilled) - 1  # every spilled chunk but the damaged one
+            assert stat(c, "checksum_mismatches_total{tier=l2}") == 1
+            assert stat(c, "hits_total{tier=l2}") == len(spilled) - 1
+            assert not victim.exists()
+    finally:
+        srv.stop()
+
+
+# ------------------------------------------------------------------ bench
+
+
+def test_bench_runs_and_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["--total-mib", "4", "--object-mib", "1", "2", "--repeat", "1"]) == 0
+    table = capsys.readouterr().out
+    for row in ("| 1 MiB | shm |", "| 1 MiB | tcp |", "| 2 MiB | memcpy |"):
+        assert row in table

@@ -1,0 +1,268 @@
+"""Unit tests of the KV store's parts: protocol, chunk keys, allocator, L1 LRU and leases, L2 files, config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+from kvstore_fixtures import LAYOUT
+
+from pdserve.kvstore import protocol as p
+from pdserve.kvstore.checksum import checksum, copy_all
+from pdserve.kvstore.config import KVStoreConfig, build_parser, from_args
+from pdserve.kvstore.keys import chunk_keys
+from pdserve.kvstore.l1 import ALIGN, L1, Allocator, ChunkId, Obj
+from pdserve.kvstore.l2 import L2, L2Corrupt
+from pdserve.kvstore.shm import Arena
+
+# ------------------------------------------------------------------ protocol
+
+REQUESTS = [
+    p.Info(),
+    p.RegisterLayout(layout=LAYOUT, namespace="abc"),
+    p.Lookup(ns="n", groups=[0, 1], keys=[b"k1", b"k2"]),
+    p.Put(ns="n", items=[p.ItemMeta(0, b"k", 10)], shm=True),
+    p.PutTail(ns="n", request_id="r", items=[p.TailItem(1, 5)], ttl_s=2.5),
+    p.Commit(leases=[1, 2], checksums=[3, 2**64 - 1]),
+    p.Get(ns="n", items=[p.ItemRef(0, b"k")]),
+    p.GetTail(ns="n", request_id="r", shm=True),
+    p.DropTail(ns="n", request_id="r"),
+    p.Release(leases=[7], corrupt=[p.Corrupt("n", 0, b"k", 9)]),
+    p.Stats(),
+]
+REPLIES = [
+    p.ServerInfo(version="v", protocol=1, chunk_size=256, l1_bytes=1, max_object_bytes=1, shm_path="/dev/shm/x"),
+    p.Error(code="bad_request", message="m"),
+    p.Ok(),
+    p.Registered(namespace="n"),
+    p.LookupResult(count=3),
+    p.Stored(stored=[True, False], errors=[None, "too big"]),
+    p.Reserved(slots=[p.Slot(1, 64, 10), None], stored=[True, True], errors=[None, None]),
+    p.Loaded(items=[p.Found(1, 10, 99, 2, 128), None]),
+    p.TailLoaded(groups=[0], items=[p.Found(1, 10, 99)]),
+    p.StatsReply(stats={"hits": 1.0}),
+]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda m: type(m).__name__)
+def test_request_round_trip(msg: msgspec.Struct) -> None:
+    msg.id, msg.token = 42, "secret"
+    assert p.decode_request(p.encode(msg)) == msg
+
+
+@pytest.mark.parametrize("msg", REPLIES, ids=lambda m: type(m).__name__)
+def test_reply_round_trip(msg: msgspec.Struct) -> None:
+    msg.id = 7
+    assert p.decode_reply(p.encode(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xff\x00garbage", msgspec.msgpack.encode({"op": "format_disk"}), msgspec.msgpack.encode({"op": "get"}),
+     msgspec.msgpack.encode({"op": "lookup", "ns": "n", "groups": "x", "keys": []}), msgspec.msgpack.encode([1, 2])],
+    ids=["empty", "garbage", "unknown-op", "missing-fields", "wrong-type", "not-a-map"],
+)
+def test_bad_requests_do_not_decode(data: bytes) -> None:
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        p.decode_request(data)
+
+
+def test_validators() -> None:
+    p.check_namespace(LAYOUT.namespace())
+    for bad in ("", "../etc", "a/b", "x" * 200, ".hidden"):
+        with pytest.raises(p.BadRequest):
+            p.check_namespace(bad)
+    with pytest.raises(p.BadRequest):
+        p.check_key(b"")
+    with pytest.raises(p.BadRequest):
+        p.check_group(-1)
+    with pytest.raises(p.BadRequest):
+        p.check_request_id("has space")
+
+
+# ------------------------------------------------------------------ chunk keys
+
+
+def test_chunk_keys_prefix_property() -> None:
+    ns = LAYOUT.namespace()
+    tokens = list(range(1000, 1000 + 4 * 16 + 7))
+    keys = chunk_keys(ns, tokens, 16)
+    assert len(keys) == 4  # the trailing 7 tokens form no key
+    assert chunk_keys(ns, tokens[: 2 * 16], 16) == keys[:2]  # same prefix, same keys
+    assert chunk_keys(ns, tokens + [5, 6, 7], 16)[:4] == keys
+    changed = list(tokens)
+    changed[2 * 16 + 3] += 1  # one token in chunk 2
+    other = chunk_keys(ns, changed, 16)
+    assert other[:2] == keys[:2]
+    assert all(a != b for a, b in zip(other[2:], keys[2:]))  # that chunk and every later one change
+    assert not set(chunk_keys(ns, tokens, 16, salt="user-a")) & set(keys)
+    assert not set(chunk_keys("0" * 32, tokens, 16)) & set(keys)
+    assert len(set(keys)) == len(keys)
+    with pytest.raises(ValueError):
+        chunk_keys(ns, tokens, 0)
+
+
+# ------------------------------------------------------------------ checksum
+
+
+def test_copy_all_copies_and_hashes_small_and_large() -> None:
+    for size in (10, 3 << 20):
+        srcs = [memoryview(os.urandom(size)) for _ in range(3)]
+        dsts = [memoryview(bytearray(size)) for _ in range(3)]
+        assert copy_all(dsts, srcs) == [checksum(s) for s in srcs]
+        assert [bytes(d) for d in dsts] == [bytes(s) for s in srcs]
+    with pytest.raises(ValueError):
+        copy_all([memoryview(bytearray(3))], [memoryview(b"four")])
+
+
+# ------------------------------------------------------------------ allocator and L1
+
+
+def test_allocator_best_fit_and_coalescing() -> None:
+    a = Allocator(1000)
+    x, y, z = a.alloc(100), a.alloc(200), a.alloc(300)
+    assert (x, y, z) == (0, 100, 300) and a.free_bytes == 400
+    assert a.alloc(500) is None
+    a.free(100, 200)
+    assert a.alloc(150) == 100  # best fit: the 200-byte hole, not the 400-byte tail
+    a.free(100, 150)
+    a.free(0, 100)
+    a.free(300, 300)  # every hole merges back into one extent
+    assert a.free_bytes == 1000 and a.alloc(1000) == 0
+
+
+class _Spills:
+    def __init__(self) -> None:
+        self.spilled: list[ChunkId] = []
+
+    def __call__(self, cid: ChunkId, obj: Obj) -> None:
+        self.spilled.append(cid)
+
+
+def _fill(l1: L1, cid: ChunkId, size: int, byte: int) -> Obj | None:
+    obj = l1.allocate(size)
+    if obj is None:
+        return None
+    l1.view(obj)[:] = bytes([byte]) * size
+    l1.unlease(obj)
+    return l1.insert(cid, obj)
+
+
+def test_l1_evicts_least_recently_used_and_spills() -> None:
+    spills = _Spills()
+    l1 = L1(Arena.create(4 * 1024, shared=False), spill=spills)
+    for i in range(4):
+        assert _fill(l1, ("n", 0, bytes([i])), 1024, i) is not None
+    assert l1.get(("n", 0, b"\x00")) is not None  # touch chunk 0: chunk 1 is now the oldest
+    _fill(l1, ("n", 0, b"\x04"), 1024, 4)
+    assert spills.spilled == [("n", 0, b"\x01")]
+    assert l1.get(("n", 0, b"\x01")) is None and l1.get(("n", 0, b"\x00")) is not None
+    assert l1.used_bytes == 4 * 1024 and l1.live_objects == 4
+
+
+def test_l1_leased_objects_are_never_evicted_or_reused() -> None:
+    l1 = L1(Arena.create(2 * 1024, shared=False), spill=_Spills())
+    a = _fill(l1, ("n", 0, b"a"), 1024, 0xAA)
+    b = _fill(l1, ("n", 0, b"b"), 1024, 0xBB)
+    assert a is not None and b is not None
+    a.leases += 1  # a reader holds a
+    assert _fill(l1, ("n", 0, b"c"), 1024, 0xCC) is not None  # evicts b, not a
+    assert l1.get(("n", 0, b"b")) is None and l1.get(("n", 0, b"a")) is a
+    b2 = l1.allocate(1024)  # a and c fill L1; c is evictable, a is not
+    assert b2 is not None
+    assert l1.allocate(1024) is None  # only leased objects left: refused, not evicted
+    l1.remove(("n", 0, b"a"))  # removed while leased: its bytes stay until the lease ends
+    assert bytes(l1.view(a)) == b"\xaa" * 1024
+    assert l1.allocate(1024) is None
+    l1.unlease(a)
+    assert l1.allocate(1024) is not None
+    assert l1.allocate(3 * 1024) is None  # larger than L1
+
+
+def test_l1_concurrent_insert_keeps_first() -> None:
+    l1 = L1(Arena.create(4096, shared=False), spill=_Spills())
+    first = _fill(l1, ("n", 0, b"k"), 100, 1)
+    second = l1.allocate(100)
+    assert second is not None
+    l1.unlease(second)
+    assert l1.insert(("n", 0, b"k"), second) is first
+    assert l1.live_objects == 1 and second.dead
+    assert l1._alloc.free_bytes == 4096 - max(ALIGN, 128)
+
+
+# ------------------------------------------------------------------ L2
+
+
+def _l2(tmp_path: Path, capacity: int = 1 << 20) -> tuple[L2, list[ChunkId]]:
+    evicted: list[ChunkId] = []
+    return L2(tmp_path, capacity, on_evict=evicted.append), evicted
+
+
+def _read(l2: L2, cid: ChunkId) -> bytes:
+    buf = bytearray()
+
+    def into(size: int) -> memoryview:
+        buf.extend(bytes(size))
+        return memoryview(buf)
+
+    l2.read(cid, into)
+    return bytes(buf)
+
+
+def test_l2_survives_reopen_and_trims_lru(tmp_path: Path) -> None:
+    l2, evicted = _l2(tmp_path, capacity=3 * 1200)
+    payloads = {("ns1", g, bytes([g]) * 16): os.urandom(1000) for g in range(3)}
+    for cid, data in payloads.items():
+        l2.write(cid, memoryview(data), checksum(data))
+    (tmp_path / "ns1" / "0" / "deadbeef.kv.tmp123").write_bytes(b"torn")  # a crash mid-write
+    reopened, _ = _l2(tmp_path, capacity=3 * 1200)
+    assert set(reopened.index) == set(payloads)
+    assert not list(tmp_path.rglob("*.tmp*"))
+    for cid, data in payloads.items():
+        assert _read(reopened, cid) == data
+    extra = ("ns1", 5, b"\x05" * 16)
+    reopened.write(extra, memoryview(b"x" * 1000), checksum(b"x" * 1000))
+    assert reopened.used_bytes <= 3 * 1200 and extra in reopened.index
+    assert len(reopened.index) == 3  # the least recently used one was deleted
+    assert evicted == [] and len(list(tmp_path.rglob("*.kv"))) == 3
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header"])
+def test_l2_corrupt_file_is_never_served(tmp_path: Path, damage: str) -> None:
+    l2, _ = _l2(tmp_path)
+    cid = ("ns1", 0, b"k" * 16)
+    data = os.urandom(5000)
+    l2.write(cid, memoryview(data), checksum(data))
+    path = next(tmp_path.rglob("*.kv"))
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-100] ^= 0x01
+    elif damage == "truncate":
+        raw = raw[:-10]
+    else:
+        raw[12:20] = b"\x00" * 8
+    path.write_bytes(bytes(raw))
+    with pytest.raises(L2Corrupt):
+        _read(l2, cid)
+    assert cid not in l2.index and not path.exists()
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_config_flags_and_validation(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["--port", "1234", "--l1-size-gb", "0.5", "--eviction-policy", "LRU"])
+    cfg = from_args(args)
+    assert cfg.port == 1234 and cfg.l1_bytes == 1 << 29 and cfg.zmq_url == "tcp://127.0.0.1:1234"
+    for flags, message in [
+        (["--host", "0.0.0.0"], "--auth-token is required"),
+        (["--eviction-policy", "fifo"], "not supported"),
+        (["--l2-path", str(tmp_path)], "--l2-size-gb"),
+        (["--l1-size-gb", "0"], "at least 1 MiB"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            from_args(build_parser().parse_args(flags))
+    assert from_args(build_parser().parse_args(["--host", "0.0.0.0", "--auth-token", "t"])).auth_token == "t"
+    assert KVStoreConfig().port == 5556 and KVStoreConfig().http_port == 18556 and KVStoreConfig().chunk_size == 256
