@@ -54,8 +54,9 @@ V4_PAGE_ALIGN = 576
 V4_MIN_AMAX = 1e-4
 ROPE = 64
 
-_BLOCK_T = 8  # tokens per program: 4096 NoPE values for V3.2, 512 for V4
-_NUM_WARPS = 4
+# (tokens per program, warps per program): the fastest of the configurations measured on an
+# H200 with `pdserve bench kernels --codec-configs ...` (kernels/README.md has the numbers).
+_LAUNCH = {"encode_v32": (8, 4), "decode_v32": (8, 4), "encode_v4": (16, 8), "decode_v4": (8, 4)}
 
 
 def v4_page_bytes(block_size: int) -> int:
@@ -142,7 +143,9 @@ def _page_regions(pages: torch.Tensor, block_size: int) -> tuple[torch.Tensor, t
 def encode_v32_torch(latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     tokens = _check_inputs(latent, rope, V32_NOPE)
     x = latent.float().reshape(tokens, V32_NOPE // V32_GROUP, V32_GROUP)
-    scale = (_nan_free_amax(x) / E4M3_MAX).clamp_min(FLT_MIN)
+    # Divide by a tensor, not a Python number: on CUDA torch turns division by a host scalar into
+    # a multiplication by its reciprocal, which is not the IEEE quotient the format defines.
+    scale = (_nan_free_amax(x) / x.new_full((), E4M3_MAX)).clamp_min(FLT_MIN)
     rows = torch.empty(tokens, V32_ROW_BYTES, dtype=torch.uint8, device=latent.device)
     rows[:, :V32_NOPE] = _e4m3(x / scale).reshape(tokens, V32_NOPE)
     rows[:, V32_NOPE:V32_NOPE + 16] = scale.reshape(tokens, 4).view(torch.uint8)
@@ -223,13 +226,16 @@ def _use_native(native: bool | None, device: torch.device) -> bool:
     return capable if native is None else native
 
 
-def _grid(tokens: int, block_t: int) -> tuple[int]:
-    return (-(-tokens // block_t),)
+def _launch(op: str, tokens: int, block_t: int | None, num_warps: int | None) -> dict:
+    """Grid and launch options: the caller's, or the measured defaults for the op."""
+    block_t = block_t or _LAUNCH[op][0]
+    return {"grid": (-(-tokens // block_t),), "BLOCK_T": block_t,
+            "num_warps": num_warps or _LAUNCH[op][1]}
 
 
 def encode_v32_triton(latent: torch.Tensor, rope: torch.Tensor, out: torch.Tensor | None = None, *,
-                      native: bool | None = None, block_t: int = _BLOCK_T,
-                      num_warps: int = _NUM_WARPS) -> torch.Tensor:
+                      native: bool | None = None, block_t: int | None = None,
+                      num_warps: int | None = None) -> torch.Tensor:
     from pdserve.kernels import fp8_ds_mla_triton as k
 
     tokens = _check_inputs(latent, rope, V32_NOPE)
@@ -237,15 +243,16 @@ def encode_v32_triton(latent: torch.Tensor, rope: torch.Tensor, out: torch.Tenso
         out = torch.empty(tokens, V32_ROW_BYTES, dtype=torch.uint8, device=latent.device)
     rows = _check_rows(out)
     if tokens:
-        k.encode_v32_kernel[_grid(tokens, block_t)](
+        launch = _launch("encode_v32", tokens, block_t, num_warps)
+        k.encode_v32_kernel[launch.pop("grid")](
             latent.view(torch.int16), rope.view(torch.int16), rows, rows.view(torch.int32),
             rows.view(torch.int16), tokens, latent.stride(0), rope.stride(0),
-            BLOCK_T=block_t, NATIVE=_use_native(native, latent.device), num_warps=num_warps)
+            NATIVE=_use_native(native, latent.device), **launch)
     return out
 
 
-def decode_v32_triton(rows: torch.Tensor, *, native: bool | None = None, block_t: int = _BLOCK_T,
-                      num_warps: int = _NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_v32_triton(rows: torch.Tensor, *, native: bool | None = None, block_t: int | None = None,
+                      num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from pdserve.kernels import fp8_ds_mla_triton as k
 
     rows = _check_rows(rows)
@@ -253,33 +260,34 @@ def decode_v32_triton(rows: torch.Tensor, *, native: bool | None = None, block_t
     latent = torch.empty(tokens, V32_NOPE, dtype=torch.bfloat16, device=rows.device)
     rope = torch.empty(tokens, ROPE, dtype=torch.bfloat16, device=rows.device)
     if tokens:
-        k.decode_v32_kernel[_grid(tokens, block_t)](
+        launch = _launch("decode_v32", tokens, block_t, num_warps)
+        k.decode_v32_kernel[launch.pop("grid")](
             rows, rows.view(torch.int32), rows.view(torch.int16), latent.view(torch.int16),
             rope.view(torch.int16), tokens,
-            BLOCK_T=block_t, NATIVE=_use_native(native, rows.device), num_warps=num_warps)
+            NATIVE=_use_native(native, rows.device), **launch)
     return latent, rope
 
 
 def encode_v4_triton(latent: torch.Tensor, rope: torch.Tensor, block_size: int = 64,
                      out: torch.Tensor | None = None, *, native: bool | None = None,
-                     block_t: int = _BLOCK_T, num_warps: int = _NUM_WARPS) -> torch.Tensor:
+                     block_t: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     from pdserve.kernels import fp8_ds_mla_triton as k
 
     tokens = _check_inputs(latent, rope, V4_NOPE)
     pages = _v4_out(out, tokens, block_size, latent.device)
     block_size, page_stride = _pages(pages, block_size)
     if tokens:
-        k.encode_v4_kernel[_grid(tokens, block_t)](
+        launch = _launch("encode_v4", tokens, block_t, num_warps)
+        k.encode_v4_kernel[launch.pop("grid")](
             latent.view(torch.int16), rope.view(torch.int16), pages, pages.view(torch.int16),
             tokens, latent.stride(0), rope.stride(0), page_stride,
-            BLOCK_SIZE=block_size, BLOCK_T=block_t, NATIVE=_use_native(native, latent.device),
-            num_warps=num_warps)
+            BLOCK_SIZE=block_size, NATIVE=_use_native(native, latent.device), **launch)
     return pages
 
 
 def decode_v4_triton(pages: torch.Tensor, num_tokens: int | None = None,
                      block_size: int | None = None, *, native: bool | None = None,
-                     block_t: int = _BLOCK_T, num_warps: int = _NUM_WARPS
+                     block_t: int | None = None, num_warps: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     from pdserve.kernels import fp8_ds_mla_triton as k
 
@@ -288,11 +296,11 @@ def decode_v4_triton(pages: torch.Tensor, num_tokens: int | None = None,
     latent = torch.empty(tokens, V4_NOPE, dtype=torch.bfloat16, device=pages.device)
     rope = torch.empty(tokens, ROPE, dtype=torch.bfloat16, device=pages.device)
     if tokens:
-        k.decode_v4_kernel[_grid(tokens, block_t)](
+        launch = _launch("decode_v4", tokens, block_t, num_warps)
+        k.decode_v4_kernel[launch.pop("grid")](
             pages, pages.view(torch.int16), latent.view(torch.int16), rope.view(torch.int16),
             tokens, page_stride,
-            BLOCK_SIZE=block_size, BLOCK_T=block_t, NATIVE=_use_native(native, pages.device),
-            num_warps=num_warps)
+            BLOCK_SIZE=block_size, NATIVE=_use_native(native, pages.device), **launch)
     return latent, rope
 
 
