@@ -22,7 +22,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Generator, Sequence, TypeVar
+from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import msgspec
 import numpy as np
@@ -98,10 +98,20 @@ class _Ops:
         msg.token = self.token
         return msg.id
 
-    def close(self) -> None:
+    @property
+    def nonce(self) -> str:
+        """What shared-memory requests carry: the mapped arena's nonce, or "" for TCP frames."""
+        return self.arena.nonce if self.arena is not None else ""
+
+    def forget_server(self) -> None:
+        """Drop what this client knows of the server (e.g. after it restarted with a new arena)."""
+        self.server = None
         if self.arena is not None:
             self.arena.close()
             self.arena = None
+
+    def close(self) -> None:
+        self.forget_server()
 
     # ------------------------------------------------------------ setup
 
@@ -152,7 +162,7 @@ class _Ops:
             idx = [send[j] for j in part]
             metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in idx]
             if self.arena is not None:
-                reserved = _expect((yield _Send(p.Put(ns=ns, items=metas, shm=True))), p.Reserved, self.url)
+                reserved = _expect((yield _Send(p.Put(ns=ns, items=metas, shm=self.nonce))), p.Reserved, self.url)
                 _check_len(reserved.slots, metas, self.url)
                 outcome = yield from self._fill([views[i] for i in idx], reserved)
             else:
@@ -190,7 +200,7 @@ class _Ops:
             raise KVStoreError(f"kvstore {self.url}: tail of {max(too_big)} bytes exceeds L1 ({info.max_object_bytes})")
         metas = [p.TailItem(g, len(v)) for (g, _), v in zip(items, views)]
         if self.arena is not None:
-            msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s, shm=True)
+            msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s, shm=self.nonce)
             reserved = _expect((yield _Send(msg)), p.Reserved, self.url)
             _check_len(reserved.slots, metas, self.url)
             if not all((yield from self._fill(views, reserved))):
@@ -210,7 +220,7 @@ class _Ops:
         results: list[memoryview | None] = [None] * len(items)
         pending = list(range(len(items)))
         while pending:
-            msg = p.Get(ns=ns, items=[p.ItemRef(*items[i]) for i in pending], shm=self.arena is not None)
+            msg = p.Get(ns=ns, items=[p.ItemRef(*items[i]) for i in pending], shm=self.nonce)
             got = yield _Send(msg)
             rep = _expect(got, p.Loaded, self.url)
             _check_len(rep.items, pending, self.url)
@@ -226,7 +236,7 @@ class _Ops:
 
     def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> _Op[dict[int, memoryview] | None]:
         yield from self.info()
-        got = yield _Send(p.GetTail(ns=ns, request_id=request_id, shm=self.arena is not None))
+        got = yield _Send(p.GetTail(ns=ns, request_id=request_id, shm=self.nonce))
         rep = _expect(got, p.TailLoaded, self.url)
         if not rep.found:
             return None
@@ -289,6 +299,17 @@ class _Ops:
         return view[:size]
 
 
+_ATTEMPTS = (0, 1)
+
+
+def _retry_or_raise(ops: _Ops, exc: KVStoreError, attempt: int) -> None:
+    """After a server restart the mapped arena is stale: forget it and run the operation once more."""
+    if exc.code != p.STALE_SHM or attempt == _ATTEMPTS[-1]:
+        raise exc
+    log.info("kvstore %s restarted; mapping its new arena", ops.url)
+    ops.forget_server()
+
+
 def _check_len(got: Sequence, want: Sequence, url: str) -> None:
     if len(got) != len(want):
         raise KVStoreError(f"kvstore {url}: reply has {len(got)} items for {len(want)} requested")
@@ -319,13 +340,18 @@ class KVStoreClient:
 
     # ---- driver
 
-    def _run(self, op: _Op[T]) -> T:
-        try:
-            step = next(op)
-            while True:
-                step = op.send(self._exchange(step))
-        except StopIteration as done:
-            return done.value
+    def _run(self, make_op: Callable[..., _Op[T]], *args: Any) -> T:
+        for attempt in _ATTEMPTS:
+            op = make_op(*args)
+            try:
+                step = next(op)
+                while True:
+                    step = op.send(self._exchange(step))
+            except StopIteration as done:
+                return done.value
+            except KVStoreError as exc:
+                _retry_or_raise(self._ops, exc, attempt)
+        raise AssertionError("unreachable")
 
     def _exchange(self, step: _Send) -> _Reply | None:
         if self._sock is None:
@@ -359,32 +385,32 @@ class KVStoreClient:
     # ---- API
 
     def info(self) -> ServerInfo:
-        return self._run(self._ops.info())
+        return self._run(self._ops.info)
 
     def register_layout(self, layout: KVLayout, namespace: str | None = None) -> str:
-        return self._run(self._ops.register_layout(layout, namespace))
+        return self._run(self._ops.register_layout, layout, namespace)
 
     def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> int:
-        return self._run(self._ops.lookup(ns, keys, groups))
+        return self._run(self._ops.lookup, ns, keys, groups)
 
     def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> list[bool]:
-        return self._run(self._ops.put(ns, items))
+        return self._run(self._ops.put, ns, items)
 
     def get(self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None) -> list[memoryview | None]:
         """`out`: optional destination buffers (one per item, at least the object's size) to load into."""
-        return self._run(self._ops.get(ns, items, out))
+        return self._run(self._ops.get, ns, items, out)
 
     def put_tail(self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None) -> None:
-        return self._run(self._ops.put_tail(ns, request_id, items, ttl_s))
+        return self._run(self._ops.put_tail, ns, request_id, items, ttl_s)
 
     def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> dict[int, memoryview] | None:
-        return self._run(self._ops.get_tail(ns, request_id, out))
+        return self._run(self._ops.get_tail, ns, request_id, out)
 
     def drop_tail(self, ns: str, request_id: str) -> None:
-        return self._run(self._ops.drop_tail(ns, request_id))
+        return self._run(self._ops.drop_tail, ns, request_id)
 
     def stats(self) -> dict:
-        return self._run(self._ops.stats())
+        return self._run(self._ops.stats)
 
     @property
     def uses_shm(self) -> bool:
@@ -417,14 +443,19 @@ class AsyncKVStoreClient:
         self._sock: zmq.asyncio.Socket | None = None
         self._lock = asyncio.Lock()
 
-    async def _run(self, op: _Op[T]) -> T:
+    async def _run(self, make_op: Callable[..., _Op[T]], *args: Any) -> T:
         async with self._lock:
-            try:
-                step = next(op)
-                while True:
-                    step = op.send(await self._exchange(step))
-            except StopIteration as done:
-                return done.value
+            for attempt in _ATTEMPTS:
+                op = make_op(*args)
+                try:
+                    step = next(op)
+                    while True:
+                        step = op.send(await self._exchange(step))
+                except StopIteration as done:
+                    return done.value
+                except KVStoreError as exc:
+                    _retry_or_raise(self._ops, exc, attempt)
+            raise AssertionError("unreachable")
 
     async def _exchange(self, step: _Send) -> _Reply | None:
         if self._sock is None:
@@ -454,35 +485,35 @@ class AsyncKVStoreClient:
             self._sock = None
 
     async def info(self) -> ServerInfo:
-        return await self._run(self._ops.info())
+        return await self._run(self._ops.info)
 
     async def register_layout(self, layout: KVLayout, namespace: str | None = None) -> str:
-        return await self._run(self._ops.register_layout(layout, namespace))
+        return await self._run(self._ops.register_layout, layout, namespace)
 
     async def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> int:
-        return await self._run(self._ops.lookup(ns, keys, groups))
+        return await self._run(self._ops.lookup, ns, keys, groups)
 
     async def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> list[bool]:
-        return await self._run(self._ops.put(ns, items))
+        return await self._run(self._ops.put, ns, items)
 
     async def get(
         self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None
     ) -> list[memoryview | None]:
-        return await self._run(self._ops.get(ns, items, out))
+        return await self._run(self._ops.get, ns, items, out)
 
     async def put_tail(
         self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None
     ) -> None:
-        return await self._run(self._ops.put_tail(ns, request_id, items, ttl_s))
+        return await self._run(self._ops.put_tail, ns, request_id, items, ttl_s)
 
     async def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> dict[int, memoryview] | None:
-        return await self._run(self._ops.get_tail(ns, request_id, out))
+        return await self._run(self._ops.get_tail, ns, request_id, out)
 
     async def drop_tail(self, ns: str, request_id: str) -> None:
-        return await self._run(self._ops.drop_tail(ns, request_id))
+        return await self._run(self._ops.drop_tail, ns, request_id)
 
     async def stats(self) -> dict:
-        return await self._run(self._ops.stats())
+        return await self._run(self._ops.stats)
 
     @property
     def uses_shm(self) -> bool:

@@ -7,11 +7,13 @@ bytes. Nothing on the wire is ever unpickled. Payloads either travel as frames
 carries lease ids and arena offsets that the server chose, never sizes or offsets
 it would trust from a client.
 
-Putting through shared memory takes two round trips: `Put(shm=True)` reserves
-arena space and answers `Reserved`; the client copies the payloads in and sends
-`Commit` with their checksums. Reading through shared memory leases the objects
-(`Get(shm=True)` answers offsets); the client copies them out and sends a one-way
-`Release`, which also reports payloads whose checksum did not match.
+Shared-memory requests carry the nonce of the arena the client mapped (`shm`; empty
+means TCP frames), so a client still mapping a restarted server's old arena gets a
+`stale_shm` error instead of writing where nobody reads. Putting through shared
+memory takes two round trips: `Put` reserves arena space and answers `Reserved`;
+the client copies the payloads in and sends `Commit` with their checksums. Reading
+leases the objects (`Get` answers offsets); the client copies them out and sends a
+one-way `Release`, which also reports payloads whose checksum did not match.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class Lookup(_Req, tag="lookup"):
 class Put(_Req, tag="put"):
     ns: str
     items: list[ItemMeta]
-    shm: bool = False
+    shm: str = ""  # nonce of the mapped arena; empty: payloads travel as frames
 
 
 class PutTail(_Req, tag="put_tail"):
@@ -114,7 +116,7 @@ class PutTail(_Req, tag="put_tail"):
     request_id: str
     items: list[TailItem]
     ttl_s: float | None = None
-    shm: bool = False
+    shm: str = ""  # nonce of the mapped arena; empty: payloads travel as frames
 
 
 class Commit(_Req, tag="commit"):
@@ -127,13 +129,13 @@ class Commit(_Req, tag="commit"):
 class Get(_Req, tag="get"):
     ns: str
     items: list[ItemRef]
-    shm: bool = False
+    shm: str = ""  # nonce of the mapped arena; empty: payloads travel as frames
 
 
 class GetTail(_Req, tag="get_tail"):
     ns: str
     request_id: str
-    shm: bool = False
+    shm: str = ""  # nonce of the mapped arena; empty: payloads travel as frames
 
 
 class DropTail(_Req, tag="drop_tail"):
@@ -178,8 +180,11 @@ class ServerInfo(_Rep, tag="info"):
     shm_size: int = 0
 
 
+STALE_SHM = "stale_shm"  # the error code that makes a client map the server's arena again
+
+
 class Error(_Rep, tag="error"):
-    code: str  # "bad_request", "unauthorized", "conflict", "not_found", "internal"
+    code: str  # "bad_request", "unauthorized", "conflict", "no_room", "stale_shm", "internal"
     message: str
 
 

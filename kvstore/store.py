@@ -75,6 +75,7 @@ class Store:
         self.tails: dict[TailKey, Tail] = {}
         self.leases: dict[int, Lease] = {}  # insertion order == deadline order
         self._next_lease = 1
+        self.sending = 0  # objects leased to frames ZMQ has not sent yet
         metrics.tier_capacity.labels("l1").set(self.l1.capacity)
         metrics.tier_capacity.labels("l2").set(cfg.l2_bytes)
         self.refresh_gauges()
@@ -89,6 +90,7 @@ class Store:
     # ------------------------------------------------------------ namespaces
 
     def register(self, layout: KVLayout, namespace: str | None) -> str:
+        self._check_layout(layout)
         ns = layout.namespace()
         if namespace is not None and namespace != ns:
             raise Conflict(
@@ -121,6 +123,13 @@ class Store:
             count += 1
         self.metrics.lookup_hits.inc(count)
         return count
+
+    def _check_layout(self, layout: KVLayout) -> None:
+        if not layout.model or not layout.groups:
+            raise p.BadRequest("a layout needs a model and at least one KV group")
+        for g in layout.groups:
+            if g.bytes_per_token <= 0 or g.block_size <= 0 or g.num_layers <= 0:
+                raise p.BadRequest(f"KV group {g.name!r}: bytes_per_token, block_size and num_layers must be positive")
 
     def _check_items(self, ns: str, items: Sequence[p.ItemMeta]) -> None:
         p.check_namespace(ns)
@@ -216,7 +225,7 @@ class Store:
         return stored, errors
 
     def get(self, ns: str, refs: Sequence[p.ItemRef], shm: bool) -> Loaded:
-        """Find and lease each object (shm: until Release; frames: until ZMQ has sent them)."""
+        """Find and lease each object (see `_loaded`); L2 hits are promoted into L1 first."""
         p.check_namespace(ns)
         p.check_items(len(refs))
         for ref in refs:
@@ -242,12 +251,23 @@ class Store:
         return out
 
     def _loaded(self, obj: Obj, shm: bool, out: Loaded) -> p.Found:
+        """Lease `obj` to a load: until the client's Release (shm, with a deadline in case it vanishes),
+        or until ZMQ has sent the frame (`sent`; a vanished peer's frames are dropped, which ends it too)."""
         obj.leases += 1
-        lease = self._lease(obj, None)
         out.objs.append(obj)
-        out.leases.append(lease)
         self.metrics.bytes_out.inc(obj.size)
-        return p.Found(obj.id, obj.size, obj.checksum, lease if shm else 0, obj.offset if shm else -1)
+        if not shm:
+            self.sending += 1
+            return p.Found(obj.id, obj.size, obj.checksum)
+        lease = self._lease(obj, None)
+        out.leases.append(lease)
+        return p.Found(obj.id, obj.size, obj.checksum, lease, obj.offset)
+
+    def sent(self, objs: Sequence[Obj]) -> None:
+        """ZMQ is done with these objects' frames."""
+        for obj in objs:
+            self.sending -= 1
+            self.l1.unlease(obj)
 
     def _promote(self, cid: ChunkId) -> Obj | None:
         """Copy an L2 object back into L1 (verifying it); None if corrupt, _NO_ROOM if L1 is all leased."""
@@ -405,7 +425,7 @@ class Store:
             m.tier_bytes.labels("l2").set(self.l2.used_bytes)
             m.tier_objects.labels("l2").set(len(self.l2.index))
         m.live_tails.set(len(self.tails))
-        m.leases.set(len(self.leases))
+        m.leases.set(len(self.leases) + self.sending)
 
     def _spill(self, cid: ChunkId, obj: Obj) -> None:
         self.metrics.evictions.labels("l1").inc()

@@ -20,6 +20,7 @@ import zmq
 from pdserve import __version__
 from pdserve.kvstore import protocol as p
 from pdserve.kvstore.config import KVStoreConfig
+from pdserve.kvstore.l1 import Obj
 from pdserve.kvstore.metrics import Metrics
 from pdserve.kvstore.store import Conflict, Loaded, NoRoom, Store
 
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 200  # upkeep (tail TTLs, lease deadlines) runs at least this often
 _BATCH = 64  # messages handled between upkeep checks when busy
+
+class StaleArena(Exception):
+    """A shared-memory request for an arena this server does not own."""
+
 
 Handler = Callable[[p.Request, list[memoryview]], tuple[msgspec.Struct, Loaded | None]]
 
@@ -42,7 +47,7 @@ class ZmqServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, store.max_object_bytes + p.MAX_HEADER_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a reply; leases bound what is in flight
         self.sock.bind(cfg.zmq_url)
-        self._in_flight: list[tuple[zmq.MessageTracker, list[int]]] = []
+        self._in_flight: list[tuple[zmq.MessageTracker, list[Obj]]] = []
         self._token = cfg.auth_token.encode() if cfg.auth_token else None
         self._handlers: dict[type, Handler] = {
             p.Info: self._info,
@@ -81,11 +86,11 @@ class ZmqServer:
         if not self._in_flight:
             return
         pending = []
-        for tracker, leases in self._in_flight:
+        for tracker, objs in self._in_flight:
             if tracker.done:
-                self.store.release(leases)
+                self.store.sent(objs)
             else:
-                pending.append((tracker, leases))
+                pending.append((tracker, objs))
         self._in_flight = pending
 
     # ------------------------------------------------------------ one message
@@ -114,6 +119,9 @@ class ZmqServer:
         except Conflict as exc:
             self._error(ident, req_id, "conflict", str(exc))
             return
+        except StaleArena as exc:
+            self._error(ident, req_id, p.STALE_SHM, str(exc))
+            return
         except NoRoom as exc:
             self._error(ident, req_id, "no_room", str(exc))
             return
@@ -126,12 +134,12 @@ class ZmqServer:
 
     def _send(self, ident: zmq.Frame, reply: msgspec.Struct, loaded: Loaded | None) -> None:
         header = p.encode(reply)
-        if loaded is None or loaded.shm or not loaded.leases:  # shm leases end on Release
+        if loaded is None or loaded.shm or not loaded.objs:  # shm leases end on Release
             self.sock.send_multipart([ident, header], copy=False)
             return
         payload = [zmq.Frame(self.store.l1.view(obj), track=True) for obj in loaded.objs]
         self.sock.send_multipart([ident, header, *payload], copy=False)
-        self._in_flight.append((zmq.MessageTracker(*payload), loaded.leases))
+        self._in_flight.append((zmq.MessageTracker(*payload), loaded.objs))
 
     def _error(self, ident: zmq.Frame, req_id: int, code: str, message: str) -> None:
         self.metrics.errors.labels(code).inc()
@@ -160,18 +168,24 @@ class ZmqServer:
         self.store.refresh_gauges()
         return p.StatsReply(stats=self.metrics.snapshot()), None
 
+    def _shm(self, nonce: str, frames: list[memoryview]) -> bool:
+        """Whether a request uses the arena; refuses a nonce of another (e.g. a previous) server's arena."""
+        if not nonce:
+            return False
+        if self.store.arena.path is None or not hmac.compare_digest(nonce, self.store.arena.nonce):
+            raise StaleArena("shared memory of another server instance; fetch info and map the arena again")
+        if frames:
+            raise p.BadRequest("a shared-memory request carries no payload frames")
+        return True
+
     def _put(self, req: p.Put, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
-        if req.shm:
-            if frames:
-                raise p.BadRequest("a shared-memory put carries no payload frames")
+        if self._shm(req.shm, frames):
             return self.store.reserve(req.ns, req.items), None
         stored, errors = self.store.put_frames(req.ns, req.items, frames)
         return p.Stored(stored=stored, errors=errors), None
 
     def _put_tail(self, req: p.PutTail, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
-        if req.shm:
-            if frames:
-                raise p.BadRequest("a shared-memory put carries no payload frames")
+        if self._shm(req.shm, frames):
             return self.store.reserve_tail(req.ns, req.request_id, req.items, req.ttl_s), None
         self.store.put_tail_frames(req.ns, req.request_id, req.items, frames, req.ttl_s)
         return p.Ok(), None
@@ -182,11 +196,11 @@ class ZmqServer:
 
     def _get(self, req: p.Get, frames: list[memoryview]) -> tuple[msgspec.Struct, Loaded]:
         self._reap_sent()  # leases of frames already sent make room for promotions from L2
-        loaded = self.store.get(req.ns, req.items, req.shm)
+        loaded = self.store.get(req.ns, req.items, self._shm(req.shm, frames))
         return p.Loaded(items=loaded.found, retry=loaded.retry), loaded
 
     def _get_tail(self, req: p.GetTail, frames: list[memoryview]) -> tuple[msgspec.Struct, Loaded | None]:
-        found = self.store.get_tail(req.ns, req.request_id, req.shm)
+        found = self.store.get_tail(req.ns, req.request_id, self._shm(req.shm, frames))
         if found is None:
             return p.TailLoaded(groups=[], items=[], found=False), None
         groups, loaded = found

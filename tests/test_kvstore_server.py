@@ -187,7 +187,6 @@ def header(msg: msgspec.Struct, req_id: int = 5) -> bytes:
         ([msgspec.msgpack.encode({"op": "get", "id": 5, "ns": 3})], ""),
         ([header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k1", 3), p.ItemMeta(0, b"k2", 3)])), b"abc"], "truncated"),
         ([header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k1", 3)])), b"abcdef"], "header says 3 bytes"),
-        ([header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k1", 3)], shm=True)), b"abc"], "no payload frames"),
         ([header(p.Lookup(ns="../../etc", groups=[0], keys=[b"k"]))], "invalid namespace"),
         ([header(p.Lookup(ns=NS, groups=[5000], keys=[b"k"]))], "out of range"),
         ([header(p.Lookup(ns=NS, groups=[], keys=[b"k"]))], "at least one"),
@@ -195,7 +194,7 @@ def header(msg: msgspec.Struct, req_id: int = 5) -> bytes:
         ([header(p.Lookup(ns=NS, groups=[0], keys=[b"k"] * (p.MAX_ITEMS + 1)))], "exceeds"),
         ([header(p.Commit(leases=[1, 2], checksums=[1]))], "2 leases but 1 checksums"),
     ],
-    ids=["garbage", "unknown-op", "wrong-type", "truncated", "size-mismatch", "shm-with-frames", "path-namespace",
+    ids=["garbage", "unknown-op", "wrong-type", "truncated", "size-mismatch", "path-namespace",
          "group-range", "no-groups", "empty-key", "too-many-items", "commit-mismatch"],
 )
 def test_bad_messages_get_error_replies(server: KVStoreProc, frames: list[bytes], message: str) -> None:
@@ -206,6 +205,20 @@ def test_bad_messages_get_error_replies(server: KVStoreProc, frames: list[bytes]
         sock.close()
     assert isinstance(reply, p.Error), reply
     assert reply.code == "bad_request" and message in reply.message
+
+
+def test_shm_requests_must_name_this_servers_arena(server: KVStoreProc) -> None:
+    with KVStoreClient(server.url) as c:
+        nonce = c.info().shm_nonce
+    assert nonce
+    sock = raw_socket(server)
+    try:
+        stale = raw_call(sock, [header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k1", 3)], shm="0" * 32))])
+        assert isinstance(stale, p.Error) and stale.code == p.STALE_SHM
+        framed = raw_call(sock, [header(p.Put(ns=NS, items=[p.ItemMeta(0, b"k1", 3)], shm=nonce)), b"abc"])
+        assert isinstance(framed, p.Error) and "no payload frames" in framed.message
+    finally:
+        sock.close()
 
 
 def test_server_survives_hostile_input_with_data_intact(server: KVStoreProc) -> None:
@@ -323,35 +336,36 @@ def test_refuses_public_bind_without_token(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_l2_spill_restart_and_corrupt_file(tmp_path: Path) -> None:
+    """Spilled chunks survive a restart, a damaged file is a counted miss, and a shm client follows the restart."""
     flags = ("--l2-path", str(tmp_path), "--l2-size-gb", "0.5")
     srv = start_kvstore(*flags, l1_size_gb=8 / 1024)
     payloads = {k: os.urandom(MIB) for k in keys(20)}  # 20 MiB through an 8 MiB L1
-    try:
-        with KVStoreClient(srv.url) as c:
+    with KVStoreClient(srv.url, shm=True, timeout_s=30) as c:
+        try:
             assert all(c.put(NS, [(0, k, d) for k, d in payloads.items()]))
             assert stat(c, "evictions_total{tier=l1}") >= 12
             assert c.lookup(NS, list(payloads), [0]) == 20  # L1 + L2 together
-    finally:
-        assert srv.stop() == 0  # SIGTERM: a clean exit
-    spilled = list(tmp_path.rglob("*.kv"))
-    assert len(spilled) >= 12
-    victim = spilled[0]
-    raw = bytearray(victim.read_bytes())
-    raw[-1] ^= 0xFF
-    victim.write_bytes(bytes(raw))
+        finally:
+            assert srv.stop() == 0  # SIGTERM: a clean exit
+        spilled = list(tmp_path.rglob("*.kv"))
+        assert len(spilled) >= 12
+        victim = spilled[0]
+        raw = bytearray(victim.read_bytes())
+        raw[-1] ^= 0xFF
+        victim.write_bytes(bytes(raw))
 
-    srv = start_kvstore(*flags, l1_size_gb=8 / 1024)
-    try:
-        with KVStoreClient(srv.url) as c:
+        srv = start_kvstore(*flags, port=srv.port, l1_size_gb=8 / 1024)  # same port: `c` reconnects
+        try:
             assert stat(c, "tier_objects{tier=l2}") == len(spilled)
-            got = c.get(NS, [(0, k) for k in payloads])
+            got = c.get(NS, [(0, k) for k in payloads])  # maps the new server's arena on the way
             good = [bytes(g) == payloads[k] for k, g in zip(payloads, got) if g is not None]
             assert all(good) and len(good) == len(spilled) - 1  # every spilled chunk but the damaged one
             assert stat(c, "checksum_mismatches_total{tier=l2}") == 1
             assert stat(c, "hits_total{tier=l2}") == len(spilled) - 1
             assert not victim.exists()
-    finally:
-        srv.stop()
+            assert stat(c, "errors_total{code=stale_shm}") == 1  # the old arena was refused once, then remapped
+        finally:
+            srv.stop()
 
 
 # ------------------------------------------------------------------ bench
