@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TAIL = None  # the `key` of a tail object
+UNALLOCATED = -1  # a payload block a load does not write (past the tokens it loads)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class ObjectSpec:
 
     group: int
     key: bytes | None
-    block_ids: list[int]
+    block_ids: list[int]  # one per block of the payload; UNALLOCATED where a load has no target block
     skip_blocks: int = 0  # leading blocks already valid locally: loaded bytes are not written there
 
 
@@ -73,13 +74,16 @@ def plan_objects(
     tail_end: int | None,
     computed_tokens: int = 0,
     last_only_for_sliding: bool = False,
+    allow_short_table: bool = False,
 ) -> list[ObjectSpec]:
     """Objects for chunks [first_chunk, num_chunks) and, if `tail_end`, the tail.
 
     `block_ids` holds the request's block table per group. `computed_tokens` marks
     blocks that are already valid locally (loads skip writing them). With
     `last_only_for_sliding`, a sliding-window group gets only its last object: a load
-    needs just the window at the point where it resumes.
+    needs just the window at the point where it resumes. With `allow_short_table`
+    (loads), payload blocks past the end of the block table are UNALLOCATED: a load
+    stops one token short of the prompt, so a tail's last block may not exist yet.
     """
     specs: list[ObjectSpec] = []
     ends: list[tuple[bytes | None, int, int]] = [
@@ -92,6 +96,8 @@ def plan_objects(
         for key, start, end in group_ends:
             first, last = geo.object_span(start, end)
             ids = block_ids[group][first:last]
+            if allow_short_table:
+                ids = ids + [UNALLOCATED] * (last - first - len(ids))
             if len(ids) != last - first:
                 raise ValueError(
                     f"group {group}: request has {len(block_ids[group])} blocks, object needs [{first}, {last})"

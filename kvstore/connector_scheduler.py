@@ -155,6 +155,7 @@ class SchedulerSide:
             tail_end=tail_end,
             computed_tokens=num_computed,
             last_only_for_sliding=True,
+            allow_short_table=True,
         )
         self.pending_loads.append(TransferJob(request.request_id, objects, plan.tail_id, plan.wait_s))
 

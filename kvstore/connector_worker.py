@@ -13,15 +13,19 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
-from pdserve.kvstore.connector_plan import ObjectSpec, TransferJob
+from pdserve.kvstore.connector_plan import UNALLOCATED, ObjectSpec, TransferJob
 
 log = logging.getLogger("pdserve.connector")
+
+# Loaded payloads are read-only views over received frames; torch only reads them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 LOAD_POLL_S = 0.02
 NULL_BLOCK = 0
@@ -76,17 +80,21 @@ class GroupCache:
     def scatter(self, payload: memoryview, block_ids: list[int], skip: int) -> None:
         """Write a gathered object back, leaving its first `skip` blocks untouched."""
         src = torch.frombuffer(payload, dtype=torch.uint8).view(len(self.views), len(block_ids), -1)
-        src = src[:, skip:]
-        ids = block_ids[skip:]
-        if not ids:
+        keep = [i for i in range(skip, len(block_ids)) if block_ids[i] != UNALLOCATED]
+        if not keep:
             return
-        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-        src = src.to(self.device, non_blocking=False)
+        idx = torch.tensor([block_ids[i] for i in keep], dtype=torch.long, device=self.device)
+        src = src[:, keep].to(self.device, non_blocking=False)
         if self._ops is not None:
             self._ops[1](src.contiguous(), [v.unsqueeze(1) for v in self.views], idx)
             return
         for layer, view in enumerate(self.views):
             view.index_copy_(0, idx, src[layer])
+
+
+def _targets(spec: ObjectSpec) -> list[int]:
+    """The blocks a load of `spec` writes."""
+    return [b for b in spec.block_ids[spec.skip_blocks:] if b != UNALLOCATED]
 
 
 @dataclass
@@ -178,7 +186,7 @@ class WorkerIO:
                 if client is not None:
                     client.close()
                 client = None
-                outcome = LoadOutcome(job.req_id, {b for o in job.objects for b in o.block_ids[o.skip_blocks:]}, False)
+                outcome = LoadOutcome(job.req_id, {b for o in job.objects for b in _targets(o)}, False)
             self._done.put(outcome)
 
     def _fetch(self, client: KVStoreClient, job: TransferJob) -> list[memoryview | None]:
@@ -208,12 +216,12 @@ class WorkerIO:
         for spec, data in zip(job.objects, self._fetch(client, job)):
             if not self._write(spec, data):
                 outcome.ok = False
-                outcome.failed_block_ids.update(spec.block_ids[spec.skip_blocks:])
+                outcome.failed_block_ids.update(_targets(spec))
         return outcome
 
     def _write(self, spec: ObjectSpec, data: memoryview | None) -> bool:
         group = self.groups[spec.group]
-        if data is None or NULL_BLOCK in spec.block_ids[spec.skip_blocks:]:
+        if data is None or NULL_BLOCK in _targets(spec):
             return False
         if len(data) != group.object_bytes(len(spec.block_ids)):
             log.warning("object of group %d has %d bytes, expected %d", spec.group, len(data), group.object_bytes(len(spec.block_ids)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvstore.connector import ConnectorConfigError, check_geometry
-from pdserve.kvstore.connector_plan import GroupGeometry, plan_objects
+from pdserve.kvstore.connector_plan import UNALLOCATED, GroupGeometry, plan_objects
 from pdserve.kvstore.layout import KVGroupLayout, KVLayout
 
 KEYS = [bytes([i]) * 16 for i in range(8)]
@@ -51,6 +51,14 @@ def test_loads_take_only_the_last_sliding_object_and_skip_computed_blocks() -> N
     assert specs[1].skip_blocks == 0
     (sliding,) = [s for s in specs if s.group == 1]
     assert sliding.key == KEYS[2]
+
+
+def test_loads_mark_tail_blocks_past_the_block_table() -> None:
+    """A load stops one token short of the prompt: the tail's last block may not be allocated."""
+    geo = [GroupGeometry(block_size=16)]
+    (spec,) = plan_objects(geo, [list(range(16))], KEYS, 256, first_chunk=1, num_chunks=1, tail_end=257,
+                           allow_short_table=True)
+    assert spec.key is None and spec.block_ids == [UNALLOCATED]
 
 
 def test_plan_refuses_a_block_table_too_short() -> None:
