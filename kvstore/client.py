@@ -122,7 +122,11 @@ class _Ops:
         return self.server
 
     def _attach(self, info: ServerInfo) -> None:
-        if self.shm_mode is False or not info.shm_path or not info.shm_nonce:
+        if self.shm_mode is False:
+            return
+        if not info.shm_path or not info.shm_nonce:
+            if self.shm_mode:
+                raise KVStoreError(f"kvstore {self.url}: shared memory requested but the server keeps L1 private")
             return
         try:
             self.arena = Arena.attach(info.shm_path, info.shm_nonce, info.shm_size)
@@ -169,6 +173,7 @@ class _Ops:
                 rep = _expect((yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in idx])), p.Stored, self.url)
                 _check_len(rep.stored, metas, self.url)
                 outcome = rep.stored
+                _log_refusals(self.url, rep.errors)
             for i, ok in zip(idx, outcome):
                 stored[i] = ok
         return stored
@@ -182,6 +187,7 @@ class _Ops:
                 raise KVStoreError(f"kvstore {self.url}: slot of {slot.size} bytes for a {len(view)}-byte payload")
         sums = copy_all([self.arena.slice(slot.offset, slot.size) for slot, _ in pairs], [v for _, v in pairs])
         stored = list(reserved.stored)
+        _log_refusals(self.url, reserved.errors)
         if pairs:
             leases = [slot.lease for slot, _ in pairs]
             rep = _expect((yield _Send(p.Commit(leases=leases, checksums=sums))), p.Stored, self.url)
@@ -297,6 +303,12 @@ class _Ops:
         if view.readonly:
             raise KVStoreError(f"output buffer {i} is read-only")
         return view[:size]
+
+
+def _log_refusals(url: str, errors: Sequence[str | None]) -> None:
+    refused = [e for e in errors if e]
+    if refused:
+        log.warning("kvstore %s refused %d objects: %s", url, len(refused), refused[0])
 
 
 _ATTEMPTS = (0, 1)

@@ -10,6 +10,7 @@ import logging
 import signal
 import sys
 import threading
+from contextlib import ExitStack
 from typing import Sequence
 
 import zmq
@@ -38,25 +39,19 @@ def _static_info(cfg: KVStoreConfig) -> dict:
 
 
 def run(cfg: KVStoreConfig, stop: threading.Event) -> None:
-    """Serve until `stop` is set."""
+    """Serve until `stop` is set; whatever was started is torn down, in reverse, however start-up ends."""
     metrics = Metrics()
-    store = Store(cfg, metrics)
-    try:
+    with ExitStack() as teardown:
+        store = Store(cfg, metrics)
+        teardown.callback(store.close)  # unlinks the arena from /dev/shm
         zmq_server = ZmqServer(cfg, store, metrics)
-    except Exception:
-        store.close()
-        raise
-    http = None
-    if cfg.http_port:
-        http = start_http(cfg.host, cfg.http_port, metrics, lambda: _static_info(cfg))
-        log.info("kvstore HTTP on http://%s:%d", cfg.host, cfg.http_port)
-    try:
+        teardown.callback(zmq_server.close)
+        if cfg.http_port:
+            http = start_http(cfg.host, cfg.http_port, metrics, lambda: _static_info(cfg))
+            teardown.callback(http.server_close)
+            teardown.callback(http.shutdown)
+            log.info("kvstore HTTP on http://%s:%d", cfg.host, cfg.http_port)
         zmq_server.serve(stop)
-    finally:
-        if http is not None:
-            http.shutdown()
-        zmq_server.close()
-        store.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,13 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdserve kvstore: {exc}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         run(cfg, stop)
     except (ArenaError, OSError, zmq.ZMQError) as exc:
         print(f"pdserve kvstore: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

@@ -309,9 +309,12 @@ def test_scribbled_shared_memory_is_a_miss_and_counted(server: KVStoreProc) -> N
 # ------------------------------------------------------------------ auth and start-up checks
 
 
-def test_auth_token_required() -> None:
-    srv = start_kvstore("--auth-token", "s3cret")
+def test_auth_token_required_and_private_l1() -> None:
+    srv = start_kvstore("--auth-token", "s3cret", "--no-shm")
     try:
+        with KVStoreClient(srv.url, auth_token="s3cret", shm=True) as needs_shm:
+            with pytest.raises(KVStoreError, match="keeps L1 private"):
+                needs_shm.info()
         with KVStoreClient(srv.url) as anon:
             with pytest.raises(KVStoreError, match="auth token") as err:
                 anon.info()
@@ -322,14 +325,18 @@ def test_auth_token_required() -> None:
         with KVStoreClient(srv.url, auth_token="s3cret") as good:
             assert good.put(NS, [(0, b"key", b"v")]) == [True]
             assert bytes(good.get(NS, [(0, b"key")])[0]) == b"v"
+            assert not good.uses_shm  # --no-shm: frames over TCP
             assert good.stats()["errors_total{code=unauthorized}"] == 2
     finally:
         srv.stop()
 
 
-def test_refuses_public_bind_without_token(capsys: pytest.CaptureFixture[str]) -> None:
+def test_start_up_errors_are_clear_and_leave_nothing(server: KVStoreProc, capsys: pytest.CaptureFixture[str]) -> None:
     assert server_main(["--host", "0.0.0.0", "--port", str(free_port()), "--http-port", "0"]) == 2
     assert "--auth-token is required" in capsys.readouterr().err
+    assert server_main(["--port", str(server.port), "--http-port", "0", "--l1-size-gb", "0.01"]) == 1
+    assert "in use" in capsys.readouterr().err
+    assert not list(Path("/dev/shm").glob(f"pdserve-kv-{os.getpid()}-*"))  # the arena was unlinked
 
 
 # ------------------------------------------------------------------ L2
