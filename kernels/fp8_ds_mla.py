@@ -54,9 +54,9 @@ V4_PAGE_ALIGN = 576
 V4_MIN_AMAX = 1e-4
 ROPE = 64
 
-# (tokens per program, warps per program): the fastest of the configurations measured on an
-# H200 with `pdserve bench kernels --codec-configs ...` (kernels/README.md has the numbers).
-_LAUNCH = {"encode_v32": (8, 4), "decode_v32": (8, 4), "encode_v4": (16, 8), "decode_v4": (8, 4)}
+# Tokens and warps per program: the fastest for all four codecs, native and portable, of the
+# configurations measured on an H200 (`pdserve bench kernels --codec-configs ...`, kernels/README.md).
+_BLOCK_T, _NUM_WARPS = 4, 2
 
 
 def v4_page_bytes(block_size: int) -> int:
@@ -226,11 +226,10 @@ def _use_native(native: bool | None, device: torch.device) -> bool:
     return capable if native is None else native
 
 
-def _launch(op: str, tokens: int, block_t: int | None, num_warps: int | None) -> dict:
-    """Grid and launch options: the caller's, or the measured defaults for the op."""
-    block_t = block_t or _LAUNCH[op][0]
-    return {"grid": (-(-tokens // block_t),), "BLOCK_T": block_t,
-            "num_warps": num_warps or _LAUNCH[op][1]}
+def _launch(tokens: int, block_t: int | None, num_warps: int | None) -> dict:
+    """Grid and launch options: the caller's, or the measured defaults."""
+    block_t = block_t or _BLOCK_T
+    return {"grid": (-(-tokens // block_t),), "BLOCK_T": block_t, "num_warps": num_warps or _NUM_WARPS}
 
 
 def encode_v32_triton(latent: torch.Tensor, rope: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -243,7 +242,7 @@ def encode_v32_triton(latent: torch.Tensor, rope: torch.Tensor, out: torch.Tenso
         out = torch.empty(tokens, V32_ROW_BYTES, dtype=torch.uint8, device=latent.device)
     rows = _check_rows(out)
     if tokens:
-        launch = _launch("encode_v32", tokens, block_t, num_warps)
+        launch = _launch(tokens, block_t, num_warps)
         k.encode_v32_kernel[launch.pop("grid")](
             latent.view(torch.int16), rope.view(torch.int16), rows, rows.view(torch.int32),
             rows.view(torch.int16), tokens, latent.stride(0), rope.stride(0),
@@ -260,7 +259,7 @@ def decode_v32_triton(rows: torch.Tensor, *, native: bool | None = None, block_t
     latent = torch.empty(tokens, V32_NOPE, dtype=torch.bfloat16, device=rows.device)
     rope = torch.empty(tokens, ROPE, dtype=torch.bfloat16, device=rows.device)
     if tokens:
-        launch = _launch("decode_v32", tokens, block_t, num_warps)
+        launch = _launch(tokens, block_t, num_warps)
         k.decode_v32_kernel[launch.pop("grid")](
             rows, rows.view(torch.int32), rows.view(torch.int16), latent.view(torch.int16),
             rope.view(torch.int16), tokens,
@@ -277,7 +276,7 @@ def encode_v4_triton(latent: torch.Tensor, rope: torch.Tensor, block_size: int =
     pages = _v4_out(out, tokens, block_size, latent.device)
     block_size, page_stride = _pages(pages, block_size)
     if tokens:
-        launch = _launch("encode_v4", tokens, block_t, num_warps)
+        launch = _launch(tokens, block_t, num_warps)
         k.encode_v4_kernel[launch.pop("grid")](
             latent.view(torch.int16), rope.view(torch.int16), pages, pages.view(torch.int16),
             tokens, latent.stride(0), rope.stride(0), page_stride,
@@ -296,7 +295,7 @@ def decode_v4_triton(pages: torch.Tensor, num_tokens: int | None = None,
     latent = torch.empty(tokens, V4_NOPE, dtype=torch.bfloat16, device=pages.device)
     rope = torch.empty(tokens, ROPE, dtype=torch.bfloat16, device=pages.device)
     if tokens:
-        launch = _launch("decode_v4", tokens, block_t, num_warps)
+        launch = _launch(tokens, block_t, num_warps)
         k.decode_v4_kernel[launch.pop("grid")](
             pages, pages.view(torch.int16), latent.view(torch.int16), rope.view(torch.int16),
             tokens, page_stride,
