@@ -190,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for noisy in ("httpx", "httpcore"):  # one line per upstream request is not a log, it is a trace
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,

@@ -210,3 +210,68 @@ def test_prefill_body_is_one_unstreamed_token_with_remote_decode() -> None:
     for dropped in ("stream_options", "max_completion_tokens", "min_tokens", "n"):
         assert dropped not in sent
     assert sent["seed"] == 7 and sent["tools"] == body["tools"]
+
+
+# ---------------------------------------------------------------- store view
+
+
+async def test_store_view_degrades_when_the_store_is_down() -> None:
+    """A store that does not answer (nothing listens on the port) costs only the routing hint."""
+    from pdserve.router.store import StoreView
+    from procs import free_port
+
+    view = StoreView()
+    url = f"tcp://127.0.0.1:{free_port()}"
+    params = {"kvstore_url": url, "namespace": "ns", "chunk_size": 4, "tail_id": "t-1", "chunk_keys": []}
+    assert view.learn(params) == url
+    assert view.learn({"kvstore_url": url}) is None  # incomplete params teach nothing
+    assert await view.prefix_tokens(list(range(12)), None) == {url: 0}
+    await view.drop_tail(params)  # logged, not raised
+    await view.close()
+
+
+async def test_store_view_counts_stored_prefix_tokens() -> None:
+    """Against a real store: chunks put under the connector's keys are found as a token count."""
+    from kvstore_fixtures import LAYOUT, start_kvstore
+
+    from pdserve.kvstore.client import AsyncKVStoreClient
+    from pdserve.kvstore.keys import chunk_keys
+    from pdserve.router.store import StoreView
+
+    store = start_kvstore()
+    try:
+        async with AsyncKVStoreClient(store.url, shm=False) as client:
+            ns = await client.register_layout(LAYOUT)
+            tokens = list(range(40))
+            keys = chunk_keys(ns, tokens, 16)
+            await client.put(ns, [(0, keys[0], b"x" * 64), (0, keys[1], b"y" * 64)])
+        view = StoreView()
+        view.learn({"kvstore_url": store.url, "namespace": ns, "chunk_size": 16})
+        assert await view.prefix_tokens(tokens, None) == {store.url: 32}
+        assert await view.prefix_tokens([7] + tokens[1:], None) == {store.url: 0}  # first chunk differs
+        await view.close()
+    finally:
+        store.stop()
+
+
+# ---------------------------------------------------------------- local tokenization
+
+
+async def test_prompt_tokens_locally_from_the_model_folder(tiny_deepseek_v3) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    from pdserve.router.tokens import PromptTokens
+
+    async with httpx.AsyncClient() as http:
+        tokens = PromptTokens(http, {}, None)
+        model = str(tiny_deepseek_v3)
+        assert await tokens.ids("completions", {"prompt": [5, 6, 7]}, "http://unused") == [5, 6, 7]
+        tokens.prepare(model)
+        await asyncio.wait_for(asyncio.gather(*tokens._loading.values()), 120)
+        chat = await tokens.ids("chat", {"model": model, "messages": [{"role": "user", "content": "hi there"}]},
+                                "http://127.0.0.1:9")
+        plain = await tokens.ids("completions", {"model": model, "prompt": "hi there"}, "http://127.0.0.1:9")
+        assert chat and plain and len(chat) > len(plain)  # the chat template adds its markers
+        # No local tokenizer and no reachable worker: None, so the router routes by its estimate.
+        assert await PromptTokens(http, {}, None).ids("completions", {"prompt": "x"}, "http://127.0.0.1:9") is None
+        await tokens.stop()
