@@ -1,0 +1,85 @@
+"""PDServeConnector through vLLM's offline LLM API, and its start-up check on a real engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from procs import ENGINE_ENV, free_port, pdserve_argv, start_process
+
+OFFLINE_SCRIPT = textwrap.dedent(
+    """
+    import json, random, sys
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    if __name__ == "__main__":
+        model, url = sys.argv[1], sys.argv[2]
+        llm = LLM(
+            model=model, load_format="dummy", max_model_len=2048, max_num_seqs=4, enforce_eager=True,
+            kv_cache_memory_bytes=256 << 20,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="PDServeConnector", kv_role="kv_both",
+                kv_connector_extra_config={"kvstore_url": url},
+            ),
+        )
+        rng = random.Random(0)
+        prompt = {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(600)]}
+        params = SamplingParams(max_tokens=8, temperature=0)
+        first = llm.generate(prompt, params)[0]
+        second = llm.generate(prompt, params)[0]
+        print("RESULT " + json.dumps({
+            "first": list(first.outputs[0].token_ids), "second": list(second.outputs[0].token_ids),
+            "first_cached": first.num_cached_tokens, "second_cached": second.num_cached_tokens,
+        }))
+    """
+)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, **ENGINE_ENV}
+
+
+def test_offline_llm_reuses_prefix_from_the_store(tiny_deepseek_v3: Path, tmp_path: Path) -> None:
+    port, http_port = free_port(), free_port()
+    store = start_process(
+        [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port)],
+        f"http://127.0.0.1:{http_port}/health",
+        name="kvstore",
+    )
+    try:
+        script = tmp_path / "offline.py"
+        script.write_text(OFFLINE_SCRIPT)
+        run = subprocess.run(
+            [sys.executable, str(script), str(tiny_deepseek_v3), f"tcp://127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=900, env=_env(),
+        )
+        lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert run.returncode == 0 and lines, run.stderr[-3000:]
+        result = json.loads(lines[0].removeprefix("RESULT "))
+        assert result["first_cached"] == 0
+        assert result["second_cached"] >= 512  # two whole 256-token chunks came from the store
+        assert result["second"] == result["first"]
+    finally:
+        store.stop()
+
+
+def test_engine_refuses_to_start_without_its_store(tiny_deepseek_v3: Path) -> None:
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    config = {"kv_connector": "PDServeConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"kvstore_url": dead, "timeout_s": 2}}
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_deepseek_v3),
+         "--load-format", "dummy", "--port", str(free_port()), "--max-model-len", "2048",
+         "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager", "--kv-transfer-config", json.dumps(config)],
+        capture_output=True, text=True, timeout=600, env=_env(),
+    )
+    assert run.returncode != 0
+    output = run.stdout + run.stderr
+    assert f"cannot reach the KV store at {dead}" in output
+    assert "pdserve kvstore" in output  # the message names the fix
