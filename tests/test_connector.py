@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.keys import chunk_keys
-from procs import Proc, free_port, start_process, start_vllm_server
+from procs import Proc, free_port, pdserve_argv, start_process, start_vllm_server
 
 CHUNK = 256
 MAX_TOKENS = 12
@@ -45,7 +45,7 @@ class PDPair:
         self.store_url = f"tcp://127.0.0.1:{port}"
         http_port = free_port()
         self.store = start_process(
-            ["pdserve", "kvstore", "--port", str(port), "--http-port", str(http_port),
+            [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port),
              "--chunk-size", str(CHUNK), "--tail-ttl-s", "5"],
             f"http://127.0.0.1:{http_port}/health",
             name="kvstore",
