@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 store_s, load_s = bench_case(url, args.auth_token, shm, src, dst, batch, args.repeat)
                 rows.append((f"{obj_mib} MiB", name, nbytes / store_s / 1e9, nbytes / load_s / 1e9))
             rows.append((f"{obj_mib} MiB", "memcpy", memcpy_gbs, memcpy_gbs))
-            print(f"{obj_mib} MiB objects x {n} ({nbytes / MIB:.0f} MiB), memcpy {memcpy_gbs:.2f} GB/s", file=sys.stderr)
+            print(f"{obj_mib} MiB objects x {n}: memcpy {memcpy_gbs:.2f} GB/s", file=sys.stderr)
     print(_table(rows))
     return 0
 

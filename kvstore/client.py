@@ -159,7 +159,10 @@ class _Ops:
         stored = [False] * len(items)
         send = [i for i, v in enumerate(views) if len(v) <= info.max_object_bytes]
         if len(send) < len(items):
-            log.warning("kvstore: %d objects larger than L1 (%d bytes) not sent", len(items) - len(send), info.max_object_bytes)
+            log.warning(
+                "kvstore %s: %d objects larger than L1 (%d bytes) not sent",
+                self.url, len(items) - len(send), info.max_object_bytes,
+            )
         if not send:
             return stored
         for part in p.split_by_bytes([len(views[i]) for i in send], info.l1_bytes // 4):
@@ -240,7 +243,9 @@ class _Ops:
             pending = [pending[j] for j in rep.retry if 0 <= j < len(pending)]
         return results
 
-    def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> _Op[dict[int, memoryview] | None]:
+    def get_tail(
+        self, ns: str, request_id: str, out: dict[int, Buffer] | None = None
+    ) -> _Op[dict[int, memoryview] | None]:
         yield from self.info()
         got = yield _Send(p.GetTail(ns=ns, request_id=request_id, shm=self.nonce))
         rep = _expect(got, p.TailLoaded, self.url)
@@ -261,48 +266,38 @@ class _Ops:
         out: Sequence[Buffer] | None,
     ) -> _Op[list[memoryview | None]]:
         """Turn found items into verified views; release shm leases and report corrupt payloads."""
-        idx = [i for i, f in enumerate(found) if f is not None]
-        shm = any(found[i].offset >= 0 for i in idx)  # type: ignore[union-attr]
+        hits = [(i, f) for i, f in enumerate(found) if f is not None]
+        shm = any(f.offset >= 0 for _, f in hits)
         if shm:
             assert self.arena is not None
-            srcs = [self.arena.slice(found[i].offset, found[i].size) for i in idx]  # type: ignore[union-attr]
-        elif len(frames) != len(idx):
-            raise KVStoreError(f"kvstore {self.url}: {len(idx)} objects found but {len(frames)} payload frames")
+            srcs = [self.arena.slice(f.offset, f.size) for _, f in hits]
+        elif len(frames) != len(hits):
+            raise KVStoreError(f"kvstore {self.url}: {len(hits)} objects found but {len(frames)} payload frames")
         else:
-            srcs = [f.buffer for f in frames]
-        for i, src in zip(idx, srcs):
-            if len(src) != found[i].size:  # type: ignore[union-attr]
-                raise KVStoreError(f"kvstore {self.url}: {len(src)} bytes for a {found[i].size}-byte object")  # type: ignore[union-attr]
+            srcs = [frame.buffer for frame in frames]
+        for (_, f), src in zip(hits, srcs):
+            if len(src) != f.size:
+                raise KVStoreError(f"kvstore {self.url}: {len(src)} bytes for a {f.size}-byte object")
         dsts: list[memoryview] | None = None
         if out is not None:
-            dsts = [self._out_view(out[i], len(src), i) for i, src in zip(idx, srcs)]
+            dsts = [_out_view(out[i], f.size, i) for i, f in hits]
         elif shm:
-            dsts = [_fresh(len(src)) for src in srcs]  # the arena slice is reused once the lease ends
+            dsts = [_fresh(f.size) for _, f in hits]  # the arena slice is reused once the lease ends
         sums = copy_all(dsts, srcs) if dsts is not None else checksums(srcs)
         results: list[memoryview | None] = [None] * len(found)
         corrupt: list[p.Corrupt] = []
-        for j, i in enumerate(idx):
-            f = found[i]
-            assert f is not None
+        for j, (i, f) in enumerate(hits):
             if sums[j] == f.checksum:
                 results[i] = dsts[j] if dsts is not None else srcs[j]
             else:
                 ns, group, key = keys[i]
                 corrupt.append(p.Corrupt(ns, group, key, f.obj))
                 log.warning("kvstore %s: checksum mismatch on %s/%d, treated as a miss", self.url, ns, group)
-        leases = [found[i].lease for i in idx] if shm else []  # type: ignore[union-attr]
+        leases = [f.lease for _, f in hits] if shm else []
         if leases or corrupt:
             yield _Send(p.Release(leases=leases, corrupt=corrupt), reply=False)
         return results
 
-    @staticmethod
-    def _out_view(buf: Buffer, size: int, i: int) -> memoryview:
-        view = byte_view(buf)
-        if len(view) < size:
-            raise KVStoreError(f"output buffer {i} holds {len(view)} bytes, object has {size}")
-        if view.readonly:
-            raise KVStoreError(f"output buffer {i} is read-only")
-        return view[:size]
 
 
 def _log_refusals(url: str, errors: Sequence[str | None]) -> None:
@@ -322,9 +317,22 @@ def _retry_or_raise(ops: _Ops, exc: KVStoreError, attempt: int) -> None:
     ops.forget_server()
 
 
+def _out_view(buf: Buffer, size: int, i: int) -> memoryview:
+    view = byte_view(buf)
+    if len(view) < size:
+        raise KVStoreError(f"output buffer {i} holds {len(view)} bytes, object has {size}")
+    if view.readonly:
+        raise KVStoreError(f"output buffer {i} is read-only")
+    return view[:size]
+
+
 def _check_len(got: Sequence, want: Sequence, url: str) -> None:
     if len(got) != len(want):
         raise KVStoreError(f"kvstore {url}: reply has {len(got)} items for {len(want)} requested")
+
+
+def _no_reply(url: str, timeout_s: float) -> KVStoreError:
+    return KVStoreError(f"kvstore {url}: no reply within {timeout_s:g} s (is the server running?)")
 
 
 def _new_socket(ctx: zmq.Context, url: str, timeout_s: float) -> zmq.Socket:
@@ -384,7 +392,7 @@ class KVStoreClient:
                     return rep, frames[1:]
         except zmq.Again:
             self._reset()
-            raise KVStoreError(f"kvstore {self.url}: no reply within {self.timeout_s:g} s (is the server running?)") from None
+            raise _no_reply(self.url, self.timeout_s) from None
         except (zmq.ZMQError, msgspec.MsgspecError) as exc:
             self._reset()
             raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
@@ -408,14 +416,20 @@ class KVStoreClient:
     def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> list[bool]:
         return self._run(self._ops.put, ns, items)
 
-    def get(self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None) -> list[memoryview | None]:
+    def get(
+        self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None
+    ) -> list[memoryview | None]:
         """`out`: optional destination buffers (one per item, at least the object's size) to load into."""
         return self._run(self._ops.get, ns, items, out)
 
-    def put_tail(self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None) -> None:
+    def put_tail(
+        self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None
+    ) -> None:
         return self._run(self._ops.put_tail, ns, request_id, items, ttl_s)
 
-    def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> dict[int, memoryview] | None:
+    def get_tail(
+        self, ns: str, request_id: str, out: dict[int, Buffer] | None = None
+    ) -> dict[int, memoryview] | None:
         return self._run(self._ops.get_tail, ns, request_id, out)
 
     def drop_tail(self, ns: str, request_id: str) -> None:
@@ -486,7 +500,7 @@ class AsyncKVStoreClient:
                         return rep, frames[1:]
         except (TimeoutError, zmq.Again):
             self._reset()
-            raise KVStoreError(f"kvstore {self.url}: no reply within {self.timeout_s:g} s (is the server running?)") from None
+            raise _no_reply(self.url, self.timeout_s) from None
         except (zmq.ZMQError, msgspec.MsgspecError) as exc:
             self._reset()
             raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
@@ -518,7 +532,9 @@ class AsyncKVStoreClient:
     ) -> None:
         return await self._run(self._ops.put_tail, ns, request_id, items, ttl_s)
 
-    async def get_tail(self, ns: str, request_id: str, out: dict[int, Buffer] | None = None) -> dict[int, memoryview] | None:
+    async def get_tail(
+        self, ns: str, request_id: str, out: dict[int, Buffer] | None = None
+    ) -> dict[int, memoryview] | None:
         return await self._run(self._ops.get_tail, ns, request_id, out)
 
     async def drop_tail(self, ns: str, request_id: str) -> None:

@@ -24,7 +24,9 @@ class Metrics:
         self.bytes_out = Counter(f"{PREFIX}_bytes_out", "Payload bytes loaded", registry=r)
         self.evictions = Counter(f"{PREFIX}_evictions", "Objects evicted, by tier", ["tier"], registry=r)
         self.refused = Counter(f"{PREFIX}_refused", "Objects refused (too large, no room)", registry=r)
-        self.corrupt = Counter(f"{PREFIX}_checksum_mismatches", "Payloads that failed verification, by tier", ["tier"], registry=r)
+        self.corrupt = Counter(
+            f"{PREFIX}_checksum_mismatches", "Payloads that failed verification, by tier", ["tier"], registry=r
+        )
         self.errors = Counter(f"{PREFIX}_errors", "Requests answered with an error, by code", ["code"], registry=r)
         self.tier_bytes = Gauge(f"{PREFIX}_tier_bytes", "Payload bytes held, by tier", ["tier"], registry=r)
         self.tier_objects = Gauge(f"{PREFIX}_tier_objects", "Objects held, by tier", ["tier"], registry=r)
