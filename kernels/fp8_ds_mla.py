@@ -56,7 +56,7 @@ ROPE = 64
 
 # Tokens and warps per program: the fastest for all four codecs, native and portable, of the
 # configurations measured on an H200 (`pdserve bench kernels --codec-configs ...`, kernels/README.md).
-_BLOCK_T, _NUM_WARPS = 4, 2
+BLOCK_T, NUM_WARPS = 4, 2
 
 
 def v4_page_bytes(block_size: int) -> int:
@@ -228,8 +228,8 @@ def _use_native(native: bool | None, device: torch.device) -> bool:
 
 def _launch(tokens: int, block_t: int | None, num_warps: int | None) -> dict:
     """Grid and launch options: the caller's, or the measured defaults."""
-    block_t = block_t or _BLOCK_T
-    return {"grid": (-(-tokens // block_t),), "BLOCK_T": block_t, "num_warps": num_warps or _NUM_WARPS}
+    block_t = block_t or BLOCK_T
+    return {"grid": (-(-tokens // block_t),), "BLOCK_T": block_t, "num_warps": num_warps or NUM_WARPS}
 
 
 def encode_v32_triton(latent: torch.Tensor, rope: torch.Tensor, out: torch.Tensor | None = None, *,

@@ -31,8 +31,8 @@ import torch
 
 BlockIds = Sequence[int] | torch.Tensor
 
-_TILE_BYTES = 16384  # bytes per program: several 16-byte loads in flight per thread
-_NUM_WARPS = 4
+TILE_BYTES = 16384  # bytes per program: several 16-byte loads in flight per thread
+NUM_WARPS = 4
 _MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (one program row per block)
 
 
@@ -190,7 +190,7 @@ def _launch(caches: Sequence[torch.Tensor], ids: torch.Tensor, buffer: torch.Ten
 
 def gather_triton(caches: Sequence[torch.Tensor], block_ids: BlockIds,
                   out: torch.Tensor | None = None, num_tokens: int | None = None, *,
-                  tile_bytes: int = _TILE_BYTES, num_warps: int = _NUM_WARPS) -> torch.Tensor:
+                  tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS) -> torch.Tensor:
     """All layers' blocks into the buffer in one launch."""
     ids, layout = _prepare(caches, block_ids, num_tokens)
     out = _buffer(out, layout, caches[0].device)
@@ -199,8 +199,8 @@ def gather_triton(caches: Sequence[torch.Tensor], block_ids: BlockIds,
 
 
 def scatter_triton(buffer: torch.Tensor, caches: Sequence[torch.Tensor], block_ids: BlockIds,
-                   num_tokens: int | None = None, *, tile_bytes: int = _TILE_BYTES,
-                   num_warps: int = _NUM_WARPS) -> None:
+                   num_tokens: int | None = None, *, tile_bytes: int = TILE_BYTES,
+                   num_warps: int = NUM_WARPS) -> None:
     """The buffer back into all layers' blocks in one launch."""
     ids, layout = _prepare(caches, block_ids, _scatter_tokens(buffer, num_tokens))
     buffer = _buffer(buffer, layout, caches[0].device)
