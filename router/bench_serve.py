@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import math
+import signal
 import socket
 import sys
 import time
@@ -490,13 +491,24 @@ def config_from_args(argv: Sequence[str]) -> BenchConfig:
         parser.error(str(exc))
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(sys.argv[1:] if argv is None else argv)
+    # Explicit, because a shell starts background jobs with SIGINT ignored: Ctrl-C or
+    # SIGTERM must unwind through the stacks' context managers so --compare stops them.
+    previous = {sig: signal.signal(sig, handler) for sig, handler in
+                ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _interrupt))}
     try:
         runs = compare_stacks(cfg) if cfg.compare else asyncio.run(bench_endpoint(cfg, cfg.base_url, "endpoint"))
     except (RuntimeError, httpx.HTTPError, OSError, ValueError) as exc:
         print(f"pdserve bench serve: {exc}", file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     rows = comparison(runs)
     print_summary(runs, rows)
     json_path, png_path = write_results(cfg, runs, rows)
