@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence, TypeVar
 
@@ -53,15 +54,26 @@ class KVStoreError(RuntimeError):
 
 @dataclass
 class _Send:
-    """One message for the driver to send; `reply=False` for one-way messages."""
+    """A message for the driver to send. The driver answers with its reply (default), with
+    nothing (`reply=False`: one-way), or with its request id (`defer=True`: collect the
+    reply later with `_Recv`, so several requests can be in flight)."""
 
     msg: p._Req
     frames: list[memoryview] = field(default_factory=list)
     reply: bool = True
+    defer: bool = False
+
+
+@dataclass
+class _Recv:
+    """Wait for the next reply to an earlier deferred request."""
+
+    req_id: int
 
 
 _Reply = tuple[p.Reply, list[zmq.Frame]]
-_Op = Generator[_Send, _Reply | None, T]
+_Op = Generator[_Send | _Recv, Any, T]
+WINDOW = 4  # pipelined TCP put messages in flight
 
 
 def _expect(got: _Reply | None, kind: type[T], url: str) -> T:
@@ -92,11 +104,33 @@ class _Ops:
         self.server: ServerInfo | None = None
         self.arena: Arena | None = None
         self._ids = itertools.count(1)
+        self._awaited: set[int] = set()  # ids of this operation's requests that expect replies
+        self._early: dict[int, deque[_Reply]] = {}  # replies that came before they were asked for
 
-    def stamp(self, msg: p._Req) -> int:
+    def stamp(self, msg: p._Req, awaited: bool) -> int:
         msg.id = next(self._ids)
         msg.token = self.token
+        if awaited:
+            self._awaited.add(msg.id)
         return msg.id
+
+    def route(self, want: int, got: _Reply) -> _Reply | None:
+        """Return a received reply if it is `want`'s; keep it if another request of this operation
+        awaits it; drop it otherwise (a late reply to a request that timed out)."""
+        rid = got[0].id
+        if rid == want:
+            return got
+        if rid in self._awaited:
+            self._early.setdefault(rid, deque()).append(got)
+        return None
+
+    def early(self, want: int) -> _Reply | None:
+        queue = self._early.get(want)
+        return queue.popleft() if queue else None
+
+    def end_op(self) -> None:
+        self._awaited.clear()
+        self._early.clear()
 
     @property
     def nonce(self) -> str:
@@ -165,21 +199,36 @@ class _Ops:
             )
         if not send:
             return stored
-        for part in p.split_by_bytes([len(views[i]) for i in send], info.l1_bytes // 4):
-            idx = [send[j] for j in part]
-            metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in idx]
-            if self.arena is not None:
+        sizes = [len(views[i]) for i in send]
+        if self.arena is not None:
+            for part in p.split_by_bytes(sizes, info.l1_bytes // 4):
+                idx = [send[j] for j in part]
+                metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in idx]
                 reserved = _expect((yield _Send(p.Put(ns=ns, items=metas, shm=self.nonce))), p.Reserved, self.url)
                 _check_len(reserved.slots, metas, self.url)
                 outcome = yield from self._fill([views[i] for i in idx], reserved)
-            else:
-                rep = _expect((yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in idx])), p.Stored, self.url)
-                _check_len(rep.stored, metas, self.url)
-                outcome = rep.stored
-                _log_refusals(self.url, rep.errors)
-            for i, ok in zip(idx, outcome):
-                stored[i] = ok
+                for i, ok in zip(idx, outcome):
+                    stored[i] = ok
+            return stored
+        # TCP: a window of smaller messages, so the server stores one while the next is on the wire
+        in_flight: deque[tuple[int, list[int]]] = deque()
+        for part in p.split_by_bytes(sizes, min(info.l1_bytes // 4, p.PIPELINE_BYTES)):
+            idx = [send[j] for j in part]
+            metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in idx]
+            req_id = yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in idx], defer=True)
+            in_flight.append((req_id, idx))
+            if len(in_flight) == WINDOW:
+                yield from self._collect_stored(*in_flight.popleft(), stored)
+        while in_flight:
+            yield from self._collect_stored(*in_flight.popleft(), stored)
         return stored
+
+    def _collect_stored(self, req_id: int, idx: list[int], stored: list[bool]) -> _Op[None]:
+        rep = _expect((yield _Recv(req_id)), p.Stored, self.url)
+        _check_len(rep.stored, idx, self.url)
+        _log_refusals(self.url, rep.errors)
+        for i, ok in zip(idx, rep.stored):
+            stored[i] = ok
 
     def _fill(self, views: list[memoryview], reserved: p.Reserved) -> _Op[list[bool]]:
         """Copy payloads into their reserved arena slots, then commit them with their checksums."""
@@ -230,16 +279,26 @@ class _Ops:
         pending = list(range(len(items)))
         while pending:
             msg = p.Get(ns=ns, items=[p.ItemRef(*items[i]) for i in pending], shm=self.nonce)
-            got = yield _Send(msg)
-            rep = _expect(got, p.Loaded, self.url)
-            _check_len(rep.items, pending, self.url)
-            keys = [(ns, *items[i]) for i in pending]
-            outs = None if out is None else [out[i] for i in pending]
-            views = yield from self._receive(rep.items, keys, got[1], outs)
-            for i, view in zip(pending, views):
-                results[i] = view
-            if not any(f is not None for f in rep.items):
-                break  # no progress: what is left stays a miss
+            req_id = yield _Send(msg, defer=True)
+            done, progress = 0, False
+            while True:  # over TCP the reply comes in parts: verify one while the next arrives
+                got = yield _Recv(req_id)
+                rep = _expect(got, p.Loaded, self.url)
+                if rep.first != done or done + len(rep.items) > len(pending):
+                    raise KVStoreError(f"kvstore {self.url}: reply part for items {rep.first}+ out of order")
+                part = pending[done : done + len(rep.items)]
+                keys = [(ns, *items[i]) for i in part]
+                outs = None if out is None else [out[i] for i in part]
+                views = yield from self._receive(rep.items, keys, got[1], outs)
+                for i, view in zip(part, views):
+                    results[i] = view
+                progress = progress or any(f is not None for f in rep.items)
+                done += len(rep.items)
+                if not rep.more:
+                    break
+            _check_len(range(done), pending, self.url)
+            if not progress:
+                break  # what is left stays a miss
             pending = [pending[j] for j in rep.retry if 0 <= j < len(pending)]
         return results
 
@@ -366,36 +425,41 @@ class KVStoreClient:
             try:
                 step = next(op)
                 while True:
-                    step = op.send(self._exchange(step))
+                    step = op.send(self._step(step))
             except StopIteration as done:
                 return done.value
             except KVStoreError as exc:
                 _retry_or_raise(self._ops, exc, attempt)
+            finally:
+                self._ops.end_op()
         raise AssertionError("unreachable")
 
-    def _exchange(self, step: _Send) -> _Reply | None:
-        if self._sock is None:
-            self._sock = _new_socket(self._ctx, self.url, self.timeout_s)
-        sock = self._sock
-        req_id = self._ops.stamp(step.msg)
+    def _step(self, step: _Send | _Recv) -> _Reply | int | None:
         try:
-            sock.send_multipart([p.encode(step.msg), *step.frames], copy=False)
+            if isinstance(step, _Recv):
+                return self._wait(step.req_id)
+            if self._sock is None:
+                self._sock = _new_socket(self._ctx, self.url, self.timeout_s)
+            req_id = self._ops.stamp(step.msg, awaited=step.reply)
+            self._sock.send_multipart([p.encode(step.msg), *step.frames], copy=False)
             if not step.reply:
                 return None
-            deadline_ms = int(self.timeout_s * 1000)
-            while True:
-                if not sock.poll(deadline_ms):
-                    raise zmq.Again()
-                frames = sock.recv_multipart(copy=False)
-                rep = p.decode_reply(frames[0].buffer)
-                if rep.id == req_id:
-                    return rep, frames[1:]
+            return req_id if step.defer else self._wait(req_id)
         except zmq.Again:
             self._reset()
             raise _no_reply(self.url, self.timeout_s) from None
         except (zmq.ZMQError, msgspec.MsgspecError) as exc:
             self._reset()
             raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
+
+    def _wait(self, req_id: int) -> _Reply:
+        got = self._ops.early(req_id)
+        while got is None:
+            if self._sock is None or not self._sock.poll(int(self.timeout_s * 1000)):
+                raise zmq.Again()
+            frames = self._sock.recv_multipart(copy=False)
+            got = self._ops.route(req_id, (p.decode_reply(frames[0].buffer), frames[1:]))
+        return got
 
     def _reset(self) -> None:
         if self._sock is not None:
@@ -476,34 +540,42 @@ class AsyncKVStoreClient:
                 try:
                     step = next(op)
                     while True:
-                        step = op.send(await self._exchange(step))
+                        step = op.send(await self._step(step))
                 except StopIteration as done:
                     return done.value
                 except KVStoreError as exc:
                     _retry_or_raise(self._ops, exc, attempt)
+                finally:
+                    self._ops.end_op()
             raise AssertionError("unreachable")
 
-    async def _exchange(self, step: _Send) -> _Reply | None:
-        if self._sock is None:
-            self._sock = _new_socket(self._ctx, self.url, self.timeout_s)
-        sock = self._sock
-        req_id = self._ops.stamp(step.msg)
+    async def _step(self, step: _Send | _Recv) -> _Reply | int | None:
         try:
             async with asyncio.timeout(self.timeout_s):
-                await sock.send_multipart([p.encode(step.msg), *step.frames], copy=False)
+                if isinstance(step, _Recv):
+                    return await self._wait(step.req_id)
+                if self._sock is None:
+                    self._sock = _new_socket(self._ctx, self.url, self.timeout_s)
+                req_id = self._ops.stamp(step.msg, awaited=step.reply)
+                await self._sock.send_multipart([p.encode(step.msg), *step.frames], copy=False)
                 if not step.reply:
                     return None
-                while True:
-                    frames = await sock.recv_multipart(copy=False)
-                    rep = p.decode_reply(frames[0].buffer)
-                    if rep.id == req_id:
-                        return rep, frames[1:]
+                return req_id if step.defer else await self._wait(req_id)
         except (TimeoutError, zmq.Again):
             self._reset()
             raise _no_reply(self.url, self.timeout_s) from None
         except (zmq.ZMQError, msgspec.MsgspecError) as exc:
             self._reset()
             raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
+
+    async def _wait(self, req_id: int) -> _Reply:
+        got = self._ops.early(req_id)
+        while got is None:
+            if self._sock is None:
+                raise zmq.Again()
+            frames = await self._sock.recv_multipart(copy=False)
+            got = self._ops.route(req_id, (p.decode_reply(frames[0].buffer), frames[1:]))
+        return got
 
     def _reset(self) -> None:
         if self._sock is not None:

@@ -30,6 +30,9 @@ MAX_ITEMS = 65536  # items in one batch
 MAX_KEY_BYTES = 64
 MAX_GROUP = 1023
 MAX_HEADER_BYTES = 16 << 20
+# TCP batches travel as several messages of about this many payload bytes, so one side
+# processes a message while the next is on the wire.
+PIPELINE_BYTES = 8 << 20
 NAMESPACE_RE = re.compile(r"^[0-9A-Za-z_-][0-9A-Za-z_.-]{0,127}$")
 REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
 
@@ -221,7 +224,9 @@ class Loaded(_Rep, tag="loaded"):
     """
 
     items: list[Found | None]
-    retry: list[int] = []
+    retry: list[int] = []  # in the last part
+    first: int = 0  # index of items[0] in the request: a TCP reply comes in parts of ~PIPELINE_BYTES
+    more: bool = False  # another part follows
 
 
 class TailLoaded(_Rep, tag="tail"):

@@ -133,13 +133,37 @@ class ZmqServer:
         self._send(ident, reply, loaded)
 
     def _send(self, ident: zmq.Frame, reply: msgspec.Struct, loaded: Loaded | None) -> None:
-        header = p.encode(reply)
         if loaded is None or loaded.shm or not loaded.objs:  # shm leases end on Release
-            self.sock.send_multipart([ident, header], copy=False)
-            return
-        payload = [zmq.Frame(self.store.l1.view(obj), track=True) for obj in loaded.objs]
-        self.sock.send_multipart([ident, header, *payload], copy=False)
-        self._in_flight.append((zmq.MessageTracker(*payload), loaded.objs))
+            self.sock.send_multipart([ident, p.encode(reply)], copy=False)
+        elif isinstance(reply, p.Loaded):
+            self._send_parts(ident, reply, loaded.objs)
+        else:
+            self._send_frames(ident, reply, loaded.objs)
+
+    def _send_parts(self, ident: zmq.Frame, reply: p.Loaded, objs: list[Obj]) -> None:
+        """Send a load as parts of about PIPELINE_BYTES, so the client verifies one while the next arrives."""
+        pending = iter(objs)
+        start, size, part_objs = 0, 0, []
+        n = len(reply.items)
+        for i, found in enumerate(reply.items):
+            if found is not None:
+                part_objs.append(next(pending))
+                size += found.size
+            if i + 1 == n or size >= p.PIPELINE_BYTES:
+                last = i + 1 == n
+                part = p.Loaded(
+                    id=reply.id, items=reply.items[start : i + 1], first=start, more=not last,
+                    retry=reply.retry if last else [],
+                )
+                self._send_frames(ident, part, part_objs)
+                start, size, part_objs = i + 1, 0, []
+
+    def _send_frames(self, ident: zmq.Frame, reply: msgspec.Struct, objs: list[Obj]) -> None:
+        """Header plus payloads straight from the arena; the objects stay leased until ZMQ is done."""
+        payload = [zmq.Frame(self.store.l1.view(obj), track=True) for obj in objs]
+        self.sock.send_multipart([ident, p.encode(reply), *payload], copy=False)
+        if payload:
+            self._in_flight.append((zmq.MessageTracker(*payload), objs))
 
     def _error(self, ident: zmq.Frame, req_id: int, code: str, message: str) -> None:
         self.metrics.errors.labels(code).inc()

@@ -140,6 +140,24 @@ def test_most_recently_used_survives_eviction(server: KVStoreProc) -> None:
         assert bytes(c.get(NS, [(0, hot)])[0]) == b"h" * MIB
 
 
+def test_large_tcp_batches_travel_in_pipelined_parts() -> None:
+    """48 MiB in one put and one get: several Put messages in flight, a Loaded reply in parts."""
+    srv = start_kvstore(l1_size_gb=64 / 1024)
+    try:
+        with KVStoreClient(srv.url, shm=False) as c:
+            k = keys(48)
+            data = [np.random.default_rng(i).bytes(MIB) for i in range(48)]
+            assert c.put(NS, list(zip([0] * 48, k, data))) == [True] * 48
+            assert stat(c, "requests_total{op=put}") == 48 * MIB // p.PIPELINE_BYTES
+            got = c.get(NS, [(0, key) for key in k] + [(0, b"absent")])
+            assert [bytes(g) for g in got[:48]] == data and got[48] is None
+            out = [np.empty(MIB, dtype=np.uint8) for _ in range(48)]
+            c.get(NS, [(0, key) for key in k], out=out)
+            assert [o.tobytes() for o in out] == data
+    finally:
+        srv.stop()
+
+
 # ------------------------------------------------------------------ tails
 
 
