@@ -84,7 +84,7 @@ class StackConfig:
     pd_min_prompt_tokens: int | None = None
     api_key: str | None = None
     router_args: tuple[str, ...] = ()
-    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdserve-up-")))
+    log_dir: Path | None = None  # None: a fresh temp folder when the stack starts
     start_timeout: float = 900.0
 
     def __post_init__(self) -> None:
@@ -209,11 +209,12 @@ class LocalStack:
         self.cfg = cfg
         self.label = label
         self.components = build_components(cfg)
+        self.log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         self._http = httpx.Client(timeout=2.0)
         self._show_progress = True
 
     def _spawn(self, comp: Component) -> None:
-        comp.log_path = self.cfg.log_dir / f"{comp.name}.log"
+        comp.log_path = self.log_dir / f"{comp.name}.log"
         with open_log(comp.log_path) as log:
             comp.popen = spawn(comp.argv, stdout=log, env={**QUIET_ENV, **comp.env})
 
@@ -236,7 +237,7 @@ class LocalStack:
                 return
             if time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
-                raise StackFailed(f"not ready after {self.cfg.start_timeout:.0f} s: {names}; logs in {self.cfg.log_dir}")
+                raise StackFailed(f"not ready after {self.cfg.start_timeout:.0f} s: {names}; logs in {self.log_dir}")
             waiting = f"waiting for {', '.join(c.name for c in pending)}"
             bar.set_postfix_str(waiting, refresh=True)
             now = time.monotonic()
@@ -375,7 +376,6 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
     else:
         model, served, engine_env = a.model, a.served_model_name or a.model, {}
         tokenizer = a.model if Path(a.model).is_dir() else None
-    extra: dict = {"log_dir": a.log_dir} if a.log_dir else {}
     try:
         cfg = StackConfig(
             model=model, served_model_name=served, tokenizer=tokenizer, vllm_args=tuple(vllm_args),
@@ -383,7 +383,7 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
             port=a.port, prefill_port=a.prefill_port, decode_port=a.decode_port, kvstore_port=a.kvstore_port,
             kvstore_http_port=a.kvstore_http_port, kvstore_l1_size_gb=a.kvstore_l1_size_gb,
             redis_url=a.redis_url, connector=not a.no_connector, pd_min_prompt_tokens=a.pd_min_prompt_tokens,
-            api_key=a.api_key, start_timeout=a.start_timeout, **extra,
+            api_key=a.api_key, start_timeout=a.start_timeout, log_dir=a.log_dir,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -410,9 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    print(f"pdserve up: {cfg.num_prefill} prefill + {cfg.num_decode} decode worker(s) of {cfg.served_model_name}; "
-          f"logs in {cfg.log_dir}", flush=True)
     stack = LocalStack(cfg)
+    print(f"pdserve up: {cfg.num_prefill} prefill + {cfg.num_decode} decode worker(s) of {cfg.served_model_name}; "
+          f"logs in {stack.log_dir}", flush=True)
     code = 0
     try:
         stack.start()

@@ -261,9 +261,10 @@ class Worker:
         cfg = self.cfg
         self.child = spawn(cfg.vllm_argv())
         log.info("%s %s: started vLLM (pid %d) on %s", cfg.role, cfg.worker_id, self.child.pid, cfg.local_url)
-        code = 0
+        code, ready = 0, False
         try:
-            if not self._wait_healthy():
+            ready = self._wait_healthy()
+            if not ready:
                 if self.stopping.is_set():
                     return 0
                 if self._child_exited():
@@ -287,7 +288,7 @@ class Worker:
         finally:
             if self.registrar is not None:
                 self.registrar.stop()
-            if not self._child_exited() and self.stopping.is_set():
+            if ready and self.stopping.is_set() and not self._child_exited():
                 self._drain()
             stop_group(self.child, timeout_s=30.0, name="vLLM")
             self.http.close()

@@ -102,15 +102,14 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
-def exact_length_prompt(tokenizer, rng: np.random.Generator, length: int, max_tries: int = 50) -> str:
+def exact_length_prompt(tokenizer, pool: np.ndarray, rng: np.random.Generator, length: int,
+                        max_tries: int = 50) -> str:
     """Text that the server's tokenizer turns into exactly `length` prompt tokens.
 
     Random ids do not survive decode+encode unchanged (byte-level merges, special
     tokens the server adds), so grow or cut the id list until the re-encoded length,
     counted as the server counts it (with special tokens), matches.
     """
-    special = set(tokenizer.all_special_ids)
-    pool = np.array([i for i in range(len(tokenizer)) if i not in special])
     ids = list(rng.choice(pool, size=length))
     for _ in range(max_tries):
         text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -125,8 +124,11 @@ def exact_length_prompt(tokenizer, rng: np.random.Generator, length: int, max_tr
 
 
 def build_prompts(tokenizer, count: int, length: int, seed: int) -> list[str]:
+    """`count` prompts drawn from every non-special token id, reproducible by seed."""
+    special = set(tokenizer.all_special_ids)
+    pool = np.array([i for i in range(len(tokenizer)) if i not in special])
     rng = np.random.default_rng(seed)
-    return [exact_length_prompt(tokenizer, rng, length) for _ in range(count)]
+    return [exact_length_prompt(tokenizer, pool, rng, length) for _ in range(count)]
 
 
 # ------------------------------------------------------------------ requests
