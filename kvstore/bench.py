@@ -4,7 +4,9 @@ Starts a KV store on free local ports (or uses --url), then for each object size
 stores and loads --total-mib of random payloads over shared memory and over TCP
 loopback, and copies the same bytes with numpy (memcpy) in the same run. Loads
 land in caller-provided buffers (`get(..., out=...)`), as the connector's do.
-Each figure is the best of --repeat runs, since the machine may be shared.
+Each figure is the best of --repeat runs, since the machine may be shared. The
+bench process tunes its malloc as the server does (pdserve.kvstore.malloc): without
+it, TCP loads of large objects pay a page fault per page of every received message.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.malloc import keep_large_buffers
 
 MIB = 1 << 20
 
@@ -111,6 +114,8 @@ def bench_case(url: str, token: str | None, shm: bool, src: list[np.ndarray], ds
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if keep_large_buffers():
+        print("client malloc tuned as the server's (see pdserve.kvstore.malloc)", file=sys.stderr)
     total = args.total_mib * MIB
     rows: list[tuple[str, str, float, float]] = []
     with _local_server(l1_gb=(2.5 * total + 64 * MIB) / 2**30) if args.url is None else _nullctx(args.url) as url:

@@ -18,6 +18,7 @@ import zmq
 from pdserve import __version__
 from pdserve.kvstore.config import KVStoreConfig, build_parser, from_args
 from pdserve.kvstore.http import start_http
+from pdserve.kvstore.malloc import keep_large_buffers
 from pdserve.kvstore.metrics import Metrics
 from pdserve.kvstore.shm import ArenaError
 from pdserve.kvstore.store import Store
@@ -62,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pdserve kvstore: {exc}", file=sys.stderr)
         return 2
+    keep_large_buffers()
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
