@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
+import time
 from typing import Callable
 
 import msgspec
@@ -26,11 +27,21 @@ from pdserve.kvstore.store import Conflict, Loaded, NoRoom, Store
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 200  # upkeep (tail TTLs, lease deadlines) runs at least this often
-_BATCH = 64  # messages handled between upkeep checks when busy
+POLL_MS = 200  # upkeep (tail TTLs, lease deadlines) runs about this often
+_BATCH = 64  # messages handled between checks for sent frames when busy
+
 
 class StaleArena(Exception):
     """A shared-memory request for an arena this server does not own."""
+
+
+# what each refusal is called on the wire; anything else is a bug, answered "internal"
+_ERROR_CODES: tuple[tuple[type[Exception] | tuple[type[Exception], ...], str], ...] = (
+    ((msgspec.DecodeError, msgspec.ValidationError, p.BadRequest), "bad_request"),
+    (Conflict, "conflict"),
+    (StaleArena, p.STALE_SHM),
+    (NoRoom, "no_room"),
+)
 
 
 Handler = Callable[[p.Request, list[memoryview]], tuple[msgspec.Struct, Loaded | None]]
@@ -66,6 +77,7 @@ class ZmqServer:
 
     def serve(self, stop: threading.Event) -> None:
         log.info("kvstore listening on %s", self.cfg.zmq_url)
+        next_upkeep = 0.0
         while not stop.is_set():
             timeout = 5 if self._in_flight else POLL_MS
             if self.sock.poll(timeout):
@@ -76,7 +88,9 @@ class ZmqServer:
                         break
                     self._handle(frames)
             self._reap_sent()
-            self.store.expire()
+            if (now := time.monotonic()) >= next_upkeep:
+                self.store.expire()
+                next_upkeep = now + POLL_MS / 1000
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -113,21 +127,12 @@ class ZmqServer:
                 self.store.release(req.leases, req.corrupt)
                 return
             reply, loaded = self._handlers[type(req)](req, [f.buffer for f in frames[2:]])
-        except (msgspec.DecodeError, msgspec.ValidationError, p.BadRequest) as exc:
-            self._error(ident, req_id, "bad_request", str(exc))
-            return
-        except Conflict as exc:
-            self._error(ident, req_id, "conflict", str(exc))
-            return
-        except StaleArena as exc:
-            self._error(ident, req_id, p.STALE_SHM, str(exc))
-            return
-        except NoRoom as exc:
-            self._error(ident, req_id, "no_room", str(exc))
-            return
-        except Exception as exc:  # a bug must not take the store down with it
-            log.exception("internal error")
-            self._error(ident, req_id, "internal", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug must not take the store down with it either
+            code = next((c for kinds, c in _ERROR_CODES if isinstance(exc, kinds)), None)
+            if code is None:
+                log.exception("internal error")
+                code = "internal"
+            self._error(ident, req_id, code, str(exc) if code != "internal" else f"{type(exc).__name__}: {exc}")
             return
         reply.id = req_id
         self._send(ident, reply, loaded)
