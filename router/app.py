@@ -14,7 +14,7 @@ import sys
 import uuid
 from typing import Any, AsyncIterator, Sequence
 
-import httpx
+import prometheus_client
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +32,7 @@ from pdserve.router.pool import Pool
 from pdserve.router.requests import read_body, validate
 from pdserve.router.store import StoreView
 from pdserve.router.tokens import PromptTokens
+from pdserve.router.upstream import new_session
 
 __all__ = ["build_parser", "create_app", "main"]
 
@@ -51,18 +52,7 @@ class Router:
         self.worker_headers = {"Content-Type": "application/json"}
         if cfg.api_key:
             self.worker_headers["Authorization"] = f"Bearer {cfg.api_key}"
-        # Admission is bounded by the pools, so the client itself sets no connection cap;
-        # trust_env=False: a proxy from the environment must never sit between router and workers.
-        self.http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512), trust_env=False
-        )
-        self.health = HealthChecker((self.prefill, self.decode), self.http, self.worker_headers, cfg.health_interval)
-        self.tokens = PromptTokens(self.http, self.worker_headers, cfg.tokenizer)
         self.store = StoreView()
-        self.flow = PDFlow(
-            cfg, self.prefill, self.decode, make_policy(cfg.prefill_policy), make_policy(cfg.decode_policy),
-            self.http, self.tokens, self.store, self.metrics, self.worker_headers,
-        )
         self.watcher = (
             MembershipWatcher(cfg.redis_url, self._on_membership, model=cfg.model) if cfg.redis_url else None
         )
@@ -75,6 +65,14 @@ class Router:
                 self.tokens.prepare(rec.model)
 
     async def start(self) -> None:
+        """Build the parts that need the event loop (the HTTP session), then find the workers."""
+        self.http = new_session()
+        self.health = HealthChecker((self.prefill, self.decode), self.http, self.worker_headers, self.cfg.health_interval)
+        self.tokens = PromptTokens(self.http, self.worker_headers, self.cfg.tokenizer)
+        self.flow = PDFlow(
+            self.cfg, self.prefill, self.decode, make_policy(self.cfg.prefill_policy),
+            make_policy(self.cfg.decode_policy), self.http, self.tokens, self.store, self.metrics, self.worker_headers,
+        )
         if self.watcher is not None:
             await self.watcher.start()
         await self.health.start()
@@ -91,7 +89,7 @@ class Router:
         await self.flow.drain()
         await self.tokens.stop()
         await self.store.close()
-        await self.http.aclose()
+        await self.http.close()
 
     def ready(self) -> bool:
         return bool(self.decode.candidates(None))
@@ -190,8 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    for noisy in ("httpx", "httpcore"):  # one line per upstream request is not a log, it is a trace
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    prometheus_client.disable_created_metrics()  # `_created` series double /metrics for no use here
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,

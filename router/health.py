@@ -12,36 +12,39 @@ import asyncio
 import logging
 from typing import Sequence
 
-import httpx
+import aiohttp
 import msgspec
 
 from pdserve.router.pool import Pool, Worker
+from pdserve.router.upstream import UPSTREAM_ERRORS, describe
 
 log = logging.getLogger("pdserve.router.health")
 
 
 class HealthChecker:
-    def __init__(self, pools: Sequence[Pool], http: httpx.AsyncClient, headers: dict[str, str], interval: float) -> None:
+    def __init__(
+        self, pools: Sequence[Pool], http: aiohttp.ClientSession, headers: dict[str, str], interval: float
+    ) -> None:
         self.pools = pools
         self.http = http
         self.headers = headers
         self.interval = interval
-        self.timeout = httpx.Timeout(min(interval, 5.0))
+        self.timeout = aiohttp.ClientTimeout(total=min(interval, 5.0))
         self._task: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
 
     async def _probe(self, w: Worker) -> bool:
         try:
-            resp = await self.http.get(w.url + "/health", headers=self.headers, timeout=self.timeout)
-            if resp.status_code != 200:
-                return False
+            async with self.http.get(w.url + "/health", headers=self.headers, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return False
             if w.model_cards is None:
-                models = await self.http.get(w.url + "/v1/models", headers=self.headers, timeout=self.timeout)
-                if models.status_code == 200:
-                    w.model_cards = list(msgspec.json.decode(models.content).get("data") or [])
+                async with self.http.get(w.url + "/v1/models", headers=self.headers, timeout=self.timeout) as models:
+                    if models.status == 200:
+                        w.model_cards = list(msgspec.json.decode(await models.read()).get("data") or [])
             return True
-        except (httpx.HTTPError, msgspec.DecodeError, AttributeError) as exc:
-            log.debug("health check of %s failed: %s", w.url, exc)
+        except (*UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as exc:
+            log.debug("health check of %s failed: %s", w.url, describe(exc))
             return False
 
     async def check(self, pool: Pool, w: Worker) -> None:

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Literal, TypeVar
 
-import httpx
+import aiohttp
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -41,6 +41,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Lease, Policy, Pool, RouteContext
 from pdserve.router.store import StoreView
 from pdserve.router.tokens import PromptTokens
+from pdserve.router.upstream import UPSTREAM_ERRORS, describe, is_hard_failure
 
 log = logging.getLogger("pdserve.router.flow")
 
@@ -50,8 +51,6 @@ T = TypeVar("T")
 
 # Fields of the client's body that would contradict a one-token, unstreamed prefill.
 _PREFILL_DROP = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "best_of")
-# Errors after which a worker is unreachable, not merely failing: out until a health check passes.
-_HARD = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ConnectTimeout)
 
 
 class ClientGone(Exception):
@@ -85,7 +84,7 @@ class DecodeLeg:
     """An open decode response and the bookkeeping a retry or the relay needs."""
 
     lease: Lease
-    resp: httpx.Response
+    resp: aiohttp.ClientResponse
     payload: bytes
     ctx: RouteContext
     tried: set[str]
@@ -96,6 +95,11 @@ class DecodeLeg:
 def _is_batch(body: dict[str, Any]) -> bool:
     prompt = body.get("prompt")
     return isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt)
+
+
+def _forks(body: dict[str, Any]) -> bool:
+    """n > 1 (or beam search) makes vLLM fork child requests that would all claim the prefill's one tail."""
+    return (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1 or bool(body.get("use_beam_search"))
 
 
 def _has_token(buf: bytes) -> bool:
@@ -171,7 +175,7 @@ class PDFlow:
         decode: Pool,
         prefill_policy: Policy,
         decode_policy: Policy,
-        http: httpx.AsyncClient,
+        http: aiohttp.ClientSession,
         tokens: PromptTokens,
         store: StoreView,
         metrics: RouterMetrics,
@@ -185,8 +189,9 @@ class PDFlow:
         self.store = store
         self.metrics = metrics
         self.headers = headers
-        self.prefill_timeout = httpx.Timeout(cfg.prefill_timeout, connect=cfg.connect_timeout)
-        self.decode_timeout = httpx.Timeout(cfg.decode_timeout, connect=cfg.connect_timeout)
+        self.prefill_timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, connect=cfg.connect_timeout)
+        # A stream may run for long; what must not happen is a silence longer than decode_timeout.
+        self.decode_timeout = aiohttp.ClientTimeout(sock_read=cfg.decode_timeout, connect=cfg.connect_timeout)
         self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------ entry
@@ -219,7 +224,7 @@ class PDFlow:
                 t_prefill_done = time.perf_counter()
                 payload = self._decode_payload(call, data)
         leg = await self._open_decode(call, payload, ctx, set(), t_prefill_done)
-        if leg.resp.status_code != 200 or not call.stream:
+        if leg.resp.status != 200 or not call.stream:
             return await self._unary(call, leg)
         return StreamingResponse(
             self._relay(call, leg), media_type="text/event-stream", headers={"X-Request-Id": call.request_id}
@@ -232,6 +237,8 @@ class PDFlow:
         ctx = RouteContext(model=call.model, prompt_tokens=estimate)
         if _is_batch(call.body):
             return "decode_only_batch", ctx
+        if _forks(call.body):
+            return "decode_only_n", ctx
         prefill_workers = self.prefill.candidates(call.model)
         if not prefill_workers:
             return "decode_only_no_prefill", ctx
@@ -265,24 +272,25 @@ class PDFlow:
             with lease:
                 t = time.perf_counter()
                 try:
-                    resp = await self.http.post(
-                        lease.worker.url + PATHS[call.route], content=payload, headers=headers, timeout=self.prefill_timeout
-                    )
-                except httpx.HTTPError as exc:
-                    lease.release(False, hard=isinstance(exc, _HARD))
-                    log.warning("prefill on %s failed (%s); trying another worker", lease.worker.url, exc)
+                    async with self.http.post(
+                        lease.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.prefill_timeout
+                    ) as resp:
+                        status, content = resp.status, await resp.read()
+                except UPSTREAM_ERRORS as exc:
+                    lease.release(False, hard=is_hard_failure(exc))
+                    log.warning("prefill on %s failed (%s); trying another worker", lease.worker.url, describe(exc))
                     self.metrics.retries.labels("prefill").inc()
                     continue
-                if resp.status_code >= 500:
+                if status >= 500:
                     lease.release(False)
-                    log.warning("prefill on %s answered %d; trying another worker", lease.worker.url, resp.status_code)
+                    log.warning("prefill on %s answered %d; trying another worker", lease.worker.url, status)
                     self.metrics.retries.labels("prefill").inc()
                     continue
                 lease.release(True)
-            if resp.status_code != 200:  # the request's fault: the client gets the worker's error
-                raise UpstreamResponse(resp.status_code, resp.content)
+            if status != 200:  # the request's fault: the client gets the worker's error
+                raise UpstreamResponse(status, content)
             self.metrics.leg.labels("prefill").observe(time.perf_counter() - t)
-            data = msgspec.json.decode(resp.content)
+            data = msgspec.json.decode(content)
             params = data.get("kv_transfer_params")
             if isinstance(params, dict):
                 call.kv_params = params
@@ -316,24 +324,25 @@ class PDFlow:
             tried.add(lease.worker.id)
             t = time.perf_counter()
             try:
-                req = self.http.build_request(
-                    "POST", lease.worker.url + PATHS[call.route], content=payload, headers=headers,
-                    timeout=self.decode_timeout,
+                resp = await self.http.post(
+                    lease.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.decode_timeout
                 )
-                resp = await self.http.send(req, stream=True)
-            except httpx.HTTPError as exc:
-                lease.release(False, hard=isinstance(exc, _HARD))
-                last = RouterError(502, f"decode worker failed: {exc!r}")
+            except UPSTREAM_ERRORS as exc:
+                lease.release(False, hard=is_hard_failure(exc))
+                last = RouterError(502, f"decode worker failed: {describe(exc)}")
             except BaseException:
                 lease.release(None)
                 raise
             else:
-                if resp.status_code < 500:
+                if resp.status < 500:
                     return DecodeLeg(lease, resp, payload, ctx, tried, t, t_prefill_done)
-                body = await resp.aread()
-                await resp.aclose()
-                lease.release(False)
-                last = UpstreamResponse(resp.status_code, body)
+                try:
+                    last = UpstreamResponse(resp.status, await resp.read())
+                except UPSTREAM_ERRORS as exc:
+                    last = RouterError(502, f"decode worker failed: {describe(exc)}")
+                finally:
+                    resp.close()
+                    lease.release(False)
             log.warning("decode on %s failed (%s); trying another worker", lease.worker.url, last.message)
             self.metrics.retries.labels("decode").inc()
 
@@ -341,18 +350,18 @@ class PDFlow:
         """A whole (non-streamed or error) decode response; a body cut short is retried elsewhere."""
         while True:
             try:
-                body = await leg.resp.aread()
+                body = await leg.resp.read()
                 break
-            except httpx.HTTPError as exc:
-                leg.lease.release(False, hard=isinstance(exc, _HARD))
-                self._close_later(leg.resp)
+            except UPSTREAM_ERRORS as exc:
+                leg.lease.release(False, hard=is_hard_failure(exc))
+                leg.resp.close()
                 self.metrics.retries.labels("decode").inc()
                 leg = await self._open_decode(call, leg.payload, leg.ctx, leg.tried, leg.t_prefill_done)
             except BaseException:
                 leg.lease.release(None)
-                self._close_later(leg.resp)
+                leg.resp.close()
                 raise
-        status = leg.resp.status_code
+        status = leg.resp.status
         leg.lease.release(status < 500)
         if status == 200:
             call.finished = True
@@ -369,7 +378,7 @@ class PDFlow:
                 pending = b""
                 t_last = 0.0
                 try:
-                    async for chunk in leg.resp.aiter_raw():
+                    async for chunk in leg.resp.content.iter_any():
                         now = time.perf_counter()
                         if first:
                             self.metrics.itl.observe(now - t_last)
@@ -387,13 +396,13 @@ class PDFlow:
                     call.finished = True
                     outcome = "200"
                     return
-                except httpx.HTTPError as exc:
-                    leg.lease.release(False, hard=isinstance(exc, _HARD))
-                    self._close_later(leg.resp)
+                except UPSTREAM_ERRORS as exc:
+                    leg.lease.release(False, hard=is_hard_failure(exc))
+                    leg.resp.close()
                     if first:
                         outcome = "502"
-                        log.warning("decode worker %s failed mid-stream: %r", leg.lease.worker.url, exc)
-                        yield RouterError(502, f"decode worker failed mid-stream: {exc!r}").sse_event()
+                        log.warning("decode worker %s failed mid-stream: %s", leg.lease.worker.url, describe(exc))
+                        yield RouterError(502, f"decode worker failed mid-stream: {describe(exc)}").sse_event()
                         return
                     self.metrics.retries.labels("decode").inc()
                     try:
@@ -402,16 +411,17 @@ class PDFlow:
                         outcome = str(err.status)
                         yield err.sse_event()
                         return
-                    if leg.resp.status_code != 200:
-                        outcome = str(leg.resp.status_code)
-                        body = await leg.resp.aread()
+                    if leg.resp.status != 200:
+                        outcome = str(leg.resp.status)
+                        body = await leg.resp.read()
                         leg.lease.release(True)
-                        yield UpstreamResponse(leg.resp.status_code, body).sse_event()
+                        yield UpstreamResponse(leg.resp.status, body).sse_event()
                         return
         finally:
             # Runs on client disconnect too (the generator is cancelled): nothing here may await.
+            # Closing (not releasing) an unfinished response drops its connection, which aborts the request.
             leg.lease.release(None)
-            self._close_later(leg.resp)
+            leg.resp.close()
             self.metrics.requests.labels(call.route, outcome).inc()
             self._end(call)
 
@@ -427,10 +437,6 @@ class PDFlow:
         """A request that had a prefill but no completed decode leaves a tail in the store: free it."""
         if call.kv_params and not call.finished:
             self._spawn(self.store.drop_tail(call.kv_params))
-
-    def _close_later(self, resp: httpx.Response) -> None:
-        if not resp.is_closed:
-            self._spawn(resp.aclose())
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

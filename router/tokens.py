@@ -16,12 +16,15 @@ import logging
 import os
 from typing import Any
 
-import httpx
+import aiohttp
 import msgspec
+
+from pdserve.router.upstream import UPSTREAM_ERRORS, describe
 
 log = logging.getLogger("pdserve.router.tokens")
 
 Route = str  # "chat" | "completions"
+_TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 
 # Request fields that change how a chat prompt renders, as vLLM's /tokenize accepts them.
 _CHAT_RENDER_FIELDS = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
@@ -35,7 +38,7 @@ def _load(path: str) -> Any:
 
 
 class PromptTokens:
-    def __init__(self, http: httpx.AsyncClient, headers: dict[str, str], tokenizer_path: str | None) -> None:
+    def __init__(self, http: aiohttp.ClientSession, headers: dict[str, str], tokenizer_path: str | None) -> None:
         self.http = http
         self.headers = headers
         self.tokenizer_path = tokenizer_path
@@ -100,13 +103,15 @@ class PromptTokens:
             req["messages"] = body["messages"]
             req.update({k: body[k] for k in _CHAT_RENDER_FIELDS if k in body})
         try:
-            resp = await self.http.post(worker_url + "/tokenize", content=msgspec.json.encode(req), headers=self.headers)
-            if resp.status_code != 200:
-                return None
-            tokens = msgspec.json.decode(resp.content).get("tokens")
+            async with self.http.post(
+                worker_url + "/tokenize", data=msgspec.json.encode(req), headers=self.headers, timeout=_TOKENIZE_TIMEOUT
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                tokens = msgspec.json.decode(await resp.read()).get("tokens")
             return tokens if isinstance(tokens, list) else None
-        except (httpx.HTTPError, msgspec.DecodeError) as exc:
-            log.debug("worker /tokenize failed: %s", exc)
+        except (*UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as exc:
+            log.debug("worker /tokenize failed: %s", describe(exc))
             return None
 
     async def stop(self) -> None:

@@ -81,17 +81,18 @@ def test_completions_streamed_and_not_equal_the_decode_engine(pd_stack: Stack, r
 
 
 def test_request_fields_pass_through(pd_stack: Stack, router: Proc) -> None:
-    """Fields the router does not know reach the decode engine: logprobs, stop, n, seed, vLLM extras."""
+    """Fields the router does not know reach the engine: logprobs, n, seed, vLLM extras. n > 1 is served
+    decode-only (vLLM forks child requests that could not share the prefill's single-use tail)."""
     resp = _client(router.url).chat.completions.create(
-        model=pd_stack.model, messages=chat_messages(long_prompt(40, seed=4)), max_tokens=5, temperature=0.0,
-        logprobs=True, top_logprobs=2, n=2, seed=7, extra_body={"return_token_ids": True, "top_k": 1},
+        model=pd_stack.model, messages=chat_messages(long_prompt(40, seed=4)), max_tokens=5, temperature=1.0,
+        logprobs=True, top_logprobs=2, n=2, seed=7, extra_body={"return_token_ids": True, "top_k": 3},
     )
     assert len(resp.choices) == 2
     for choice in resp.choices:
         assert len(choice.logprobs.content) == 5
         assert all(len(lp.top_logprobs) == 2 for lp in choice.logprobs.content)
         assert len(choice.model_extra["token_ids"]) == 5
-    assert resp.choices[0].message.content == resp.choices[1].message.content  # top_k=1 is greedy
+    assert metric(router.url, "pdserve_router_paths_total", {"path": "decode_only_n"}) == 1
 
 
 def test_models_lists_what_the_workers_serve(pd_stack: Stack, router: Proc) -> None:

@@ -258,11 +258,10 @@ async def test_store_view_counts_stored_prefix_tokens() -> None:
 
 
 async def test_prompt_tokens_locally_from_the_model_folder(tiny_deepseek_v3) -> None:  # type: ignore[no-untyped-def]
-    import httpx
-
     from pdserve.router.tokens import PromptTokens
+    from pdserve.router.upstream import new_session
 
-    async with httpx.AsyncClient() as http:
+    async with new_session() as http:
         tokens = PromptTokens(http, {}, None)
         model = str(tiny_deepseek_v3)
         assert await tokens.ids("completions", {"prompt": [5, 6, 7]}, "http://unused") == [5, 6, 7]
