@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="consecutive failures that open a worker's circuit breaker")
     p.add_argument("--breaker-cooldown", type=float, default=d["breaker_cooldown"].default)
     p.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"].default)
-    p.add_argument("--log-level", default=d["log_level"].default,
+    p.add_argument("--log-level", default=d["log_level"].default, type=str.lower,
                    choices=["debug", "info", "warning", "error"])
     return p
 

@@ -55,7 +55,18 @@ class PromptTokens:
         """Start loading the tokenizer for `model` in the background (idempotent)."""
         path = self._path_for(model)
         if path and path not in self._loading:
-            self._loading[path] = asyncio.create_task(asyncio.to_thread(_load, path), name=f"tokenizer:{path}")
+            task = asyncio.create_task(asyncio.to_thread(_load, path), name=f"tokenizer:{path}")
+            task.add_done_callback(lambda t, p=path: self._loaded(p, t))
+            self._loading[path] = task
+
+    @staticmethod
+    def _loaded(path: str, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.warning("no local tokenizer from %s (workers' /tokenize counts instead): %s", path, task.exception())
+        else:
+            log.info("local tokenizer loaded from %s", path)
 
     def _local(self, model: str | None) -> Any | None:
         path = self._path_for(model)
