@@ -35,6 +35,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.connector_plan import GroupGeometry
 from pdserve.kvstore.connector_scheduler import SchedulerSide, StepMeta
+from pdserve.kvstore.connector_stats import PDServePromMetrics, PDServeStats
 from pdserve.kvstore.connector_worker import GroupCache, WorkerIO
 from pdserve.kvstore.layout import KVGroupLayout, KVLayout
 
@@ -197,6 +198,19 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_kv_connector_stats(self) -> PDServeStats | None:
+        return self.io.stats.take() if self.io is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDServeStats:
+        return PDServeStats(data=dict(data)) if data else PDServeStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
+    ) -> PDServePromMetrics:
+        return PDServePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.io is not None:

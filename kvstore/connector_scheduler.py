@@ -56,6 +56,7 @@ class ReqState:
     chunks_saved: int = 0
     tail_id: str | None = None
     tail_saved: bool = False
+    load_issued: bool = False
     block_ids: list[list[int]] = field(default_factory=list)
 
 
@@ -122,6 +123,10 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         state = self._state(request)
+        if state.load_issued:
+            # One load attempt per request: vLLM asks again only after a failed load,
+            # and then it must recompute rather than wait on the store again.
+            return 0, False
         if request.request_id in self.plans:
             plan = self.plans[request.request_id]
         else:
@@ -143,6 +148,7 @@ class SchedulerSide:
             return
         plan = self.plans[request.request_id]
         state = self._state(request)
+        state.load_issued = True
         num_computed = plan.load_end - num_external
         tail_end = len(state.prompt) if plan.tail_id else None
         objects = plan_objects(

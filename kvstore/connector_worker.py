@@ -21,6 +21,7 @@ import torch
 
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.connector_plan import UNALLOCATED, ObjectSpec, TransferJob
+from pdserve.kvstore.connector_stats import StatsCounter
 
 log = logging.getLogger("pdserve.connector")
 
@@ -102,6 +103,7 @@ class LoadOutcome:
     req_id: str
     failed_block_ids: set[int] = field(default_factory=set)
     ok: bool = True
+    loaded_bytes: int = 0
 
 
 class WorkerIO:
@@ -121,6 +123,8 @@ class WorkerIO:
         self._saves: queue.Queue[tuple[TransferJob, list[torch.Tensor]] | None] = queue.Queue()
         self._loads: queue.Queue[TransferJob | None] = queue.Queue()
         self._done: queue.Queue[LoadOutcome] = queue.Queue()
+        self.stats = StatsCounter()
+        self._staging: torch.Tensor | None = None  # owned by the load thread
         self._threads = [
             threading.Thread(target=self._save_loop, name="pdserve-save", daemon=True),
             threading.Thread(target=self._load_loop, name="pdserve-load", daemon=True),
@@ -157,6 +161,7 @@ class WorkerIO:
                 tail = [(o.group, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is None]
                 if tail and job.tail_id:
                     client.put_tail(self.namespace, job.tail_id, tail)
+                self.stats.add(saved_bytes=sum(b.numel() for b in buffers))
             except KVStoreError as exc:
                 log.warning("save of %s failed: %s", job.req_id, exc)
                 if client is not None:
@@ -182,11 +187,12 @@ class WorkerIO:
                 client = client or self._client()
                 outcome = self._load_one(client, job)
             except KVStoreError as exc:
-                log.warning("load of %s failed: %s", job.req_id, exc)
+                log.warning("load of %s failed, vLLM recomputes it: %s", job.req_id, exc)
                 if client is not None:
                     client.close()
                 client = None
                 outcome = LoadOutcome(job.req_id, {b for o in job.objects for b in _targets(o)}, False)
+            self.stats.add(loads=1, failed_loads=int(not outcome.ok), loaded_bytes=outcome.loaded_bytes)
             self._done.put(outcome)
 
     def _fetch(self, client: KVStoreClient, job: TransferJob) -> list[memoryview | None]:
@@ -196,10 +202,12 @@ class WorkerIO:
         tail_idx = [i for i, o in enumerate(job.objects) if o.key is None]
         got: list[memoryview | None] = [None] * len(job.objects)
         tail_pending = bool(tail_idx and job.tail_id)
+        dest = self._staging_views(job)
         while True:
             missing = [i for i in chunk_idx if got[i] is None]
             if missing:
-                for i, data in zip(missing, client.get(self.namespace, [(job.objects[i].group, job.objects[i].key) for i in missing])):
+                items = [(job.objects[i].group, job.objects[i].key) for i in missing]
+                for i, data in zip(missing, client.get(self.namespace, items, out=[dest[i] for i in missing])):
                     got[i] = data
             if tail_pending:
                 tail = client.get_tail(self.namespace, job.tail_id)
@@ -211,12 +219,28 @@ class WorkerIO:
                 return got
             time.sleep(LOAD_POLL_S)
 
+    def _staging_views(self, job: TransferJob) -> list:
+        """One reused host buffer for a job's chunks: the store copies straight into it."""
+        sizes = [self.groups[o.group].object_bytes(len(o.block_ids)) for o in job.objects]
+        total = sum(sizes)
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = torch.empty(total, dtype=torch.uint8)
+        views, offset = [], 0
+        for size in sizes:
+            views.append(self._staging[offset : offset + size].numpy())
+            offset += size
+        return views
+
     def _load_one(self, client: KVStoreClient, job: TransferJob) -> LoadOutcome:
         outcome = LoadOutcome(job.req_id)
         for spec, data in zip(job.objects, self._fetch(client, job)):
-            if not self._write(spec, data):
+            if self._write(spec, data):
+                outcome.loaded_bytes += len(data)
+            else:
                 outcome.ok = False
                 outcome.failed_block_ids.update(_targets(spec))
+        if not outcome.ok:
+            log.warning("load of %s: %d blocks missing or corrupt, vLLM recomputes them", job.req_id, len(outcome.failed_block_ids))
         return outcome
 
     def _write(self, spec: ObjectSpec, data: memoryview | None) -> bool:
