@@ -6,6 +6,7 @@ need them (with tests/procs.py), so a run of unrelated tests never pays for one.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -43,3 +44,36 @@ def redis_url() -> Iterator[str]:
         yield _redis_url(proc)
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _release_leaked_shared_memory() -> Iterator[None]:
+    """Remove vLLM shared-memory segments that killed engines left in /dev/shm.
+
+    An engine stopped with SIGKILL cannot unlink its `psm_*` message-queue segments;
+    on tmpfs they hold RAM until reboot, and a session starts a dozen engines. Only
+    segments created during this session and mapped by no live process are removed.
+    """
+    started = time.time()
+    yield
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return
+    in_use = _mapped_shm_names()
+    for seg in shm.glob("psm_*"):
+        try:
+            if seg.stat().st_mtime >= started and seg.name not in in_use:
+                seg.unlink()
+        except OSError:
+            continue
+
+
+def _mapped_shm_names() -> set[str]:
+    names: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        names.update(part.rsplit("/", 1)[1] for part in text.split() if part.startswith("/dev/shm/"))
+    return names
