@@ -213,16 +213,16 @@ class PDFlow:
 
     async def _serve(self, call: Call) -> Response:
         path, ctx = await self._plan(call)
-        self.metrics.paths.labels(path).inc()
         t_prefill_done: float | None = None
         payload = call.raw
         if path == "pd":
             data = await self._prefill(call, ctx)
             if data is None:
-                self.metrics.paths.labels("decode_only_prefill_failed").inc()
+                path = "decode_only_prefill_failed"
             else:
                 t_prefill_done = time.perf_counter()
                 payload = self._decode_payload(call, data)
+        self.metrics.paths.labels(path).inc()
         leg = await self._open_decode(call, payload, ctx, set(), t_prefill_done)
         if leg.resp.status != 200 or not call.stream:
             return await self._unary(call, leg)

@@ -16,6 +16,7 @@ import socket
 import time
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -52,10 +53,13 @@ def start_engine(model_dir: Path, role: str, kvstore_url: str) -> Proc:
 @pytest.fixture(scope="session")
 def pd_stack(tiny_deepseek_v3: Path) -> Iterator[Stack]:
     store = start_kvstore(l1_size_gb=0.5)
-    engines: list[Proc] = []
+    # Both engines start at once: each start is mostly one core's work, and the machine has two.
+    with ThreadPoolExecutor(2) as pool:
+        starts = [pool.submit(start_engine, tiny_deepseek_v3, role, store.url) for role in ("kv_producer", "kv_both")]
+    engines = [f.result() for f in starts if f.exception() is None]
     try:
-        engines.append(start_engine(tiny_deepseek_v3, "kv_producer", store.url))
-        engines.append(start_engine(tiny_deepseek_v3, "kv_both", store.url))
+        for f in starts:
+            f.result()  # re-raise a failed start, after the other engine is in `engines` for cleanup
         yield Stack(str(tiny_deepseek_v3), store, *engines)
     finally:
         for proc in reversed(engines):
