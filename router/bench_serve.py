@@ -123,12 +123,22 @@ def exact_length_prompt(tokenizer, pool: np.ndarray, rng: np.random.Generator, l
     raise ValueError(f"could not build a prompt of exactly {length} tokens with this tokenizer")
 
 
-def build_prompts(tokenizer, count: int, length: int, seed: int) -> list[str]:
-    """`count` prompts drawn from every non-special token id, reproducible by seed."""
-    special = set(tokenizer.all_special_ids)
-    pool = np.array([i for i in range(len(tokenizer)) if i not in special])
-    rng = np.random.default_rng(seed)
-    return [exact_length_prompt(tokenizer, pool, rng, length) for _ in range(count)]
+class PromptSource:
+    """A stream of fresh exact-length prompts: no two requests of a benchmark share one.
+
+    Fresh prompts matter: a second run over the same prompts would be served from the
+    KV store or a prefix cache and measure cache hits, not prefill.
+    """
+
+    def __init__(self, tokenizer, length: int, seed: int) -> None:
+        special = set(tokenizer.all_special_ids)
+        self._pool = np.array([i for i in range(len(tokenizer)) if i not in special])
+        self._rng = np.random.default_rng(seed)
+        self._tokenizer = tokenizer
+        self.length = length
+
+    def take(self, count: int) -> list[str]:
+        return [exact_length_prompt(self._tokenizer, self._pool, self._rng, self.length) for _ in range(count)]
 
 
 # ------------------------------------------------------------------ requests
@@ -374,20 +384,19 @@ def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]])
 # ------------------------------------------------------------------ orchestration
 
 
-async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, tokenizer=None) -> list[Run]:
-    """Every concurrency level against one base URL; returns one Run per level."""
+async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: PromptSource | None = None,
+                         levels: Sequence[int | None] | None = None) -> list[Run]:
+    """Each concurrency level against one base URL, with fresh prompts; one Run per level."""
     async with httpx.AsyncClient(timeout=30.0) as client:
         card = await served_model(client, base_url, cfg.api_key)
     model = cfg.model or str(card["id"])
-    if tokenizer is None:
+    if prompts is None:
         name = cfg.tokenizer or (card.get("root") if Path(str(card.get("root"))).is_dir() else model)
-        tokenizer = load_tokenizer(name)
-    prompts = build_prompts(tokenizer, cfg.num_prompts, cfg.input_len, cfg.seed)
-    warmup = build_prompts(tokenizer, cfg.num_warmups, cfg.input_len, cfg.seed + 10_000)
+        prompts = PromptSource(load_tokenizer(name), cfg.input_len, cfg.seed)
     runs = []
-    for conc in cfg.max_concurrency:
-        results, duration = await run_load(cfg, base_url, model, prompts, warmup, conc,
-                                           f"{label} c={conc or 'inf'}")
+    for conc in cfg.max_concurrency if levels is None else levels:
+        results, duration = await run_load(cfg, base_url, model, prompts.take(cfg.num_prompts),
+                                           prompts.take(cfg.num_warmups), conc, f"{label} c={conc or 'inf'}")
         runs.append(Run(label, base_url, conc, summarize(results, duration, cfg.goodput), results))
     return runs
 
@@ -407,7 +416,7 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
     else:
         model, served = str(tiny_model_dir()), TINY_SERVED_NAME
         vllm_args, env = (*TINY_VLLM_ARGS, *cfg.vllm_args), dict(TINY_ENGINE_ENV)
-    tokenizer = load_tokenizer(cfg.tokenizer or model)
+    prompts = PromptSource(load_tokenizer(cfg.tokenizer or model), cfg.input_len, cfg.seed)
     bench = BenchConfig(**{**asdict(cfg), "model": served})
 
     def stack(**kw: Any) -> StackConfig:
@@ -419,11 +428,15 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
     runs: list[Run] = []
     pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
     with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm):
-        runs += asyncio.run(bench_endpoint(bench, pd.router_url, "pd", tokenizer))
+        runs += asyncio.run(bench_endpoint(bench, pd.router_url, "pd", prompts))
     coloc = stack(num_prefill=0, num_decode=1, connector=False, pd_min_prompt_tokens=10**9)
     with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):
-        runs += asyncio.run(bench_endpoint(bench, coloc.router_url, "colocated-router", tokenizer))
-        runs += asyncio.run(bench_endpoint(bench, coloc.worker_urls("decode")[0], "colocated-direct", tokenizer))
+        # Router and direct alternate level by level, so slow drift in the machine's
+        # load does not land on one side of the router-overhead difference.
+        for conc in cfg.max_concurrency:
+            runs += asyncio.run(bench_endpoint(bench, coloc.router_url, "colocated-router", prompts, [conc]))
+            runs += asyncio.run(bench_endpoint(bench, coloc.worker_urls("decode")[0], "colocated-direct",
+                                               prompts, [conc]))
     return runs
 
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import matplotlib.image
 import pytest
 
-from pdserve.router.bench_serve import RequestResult, Run, comparison, config_from_args, main, summarize
+from pdserve.router.bench_serve import (PromptSource, RequestResult, Run, comparison, config_from_args, load_tokenizer,
+                                       main, summarize)
 
 if TYPE_CHECKING:
     from pdstack_fixtures import UpStack
@@ -48,6 +49,15 @@ def test_comparison_gives_handoff_and_router_overhead() -> None:
     assert row["handoff_overhead_p50_ms"] == pytest.approx(30.0)
     assert row["handoff_ttft_ratio"] == pytest.approx(1.3)
     assert row["router_overhead_p50_ms"] == pytest.approx(0.5)
+
+
+def test_prompts_have_the_exact_token_count_and_never_repeat(tiny_deepseek_v3: Path) -> None:
+    """Fresh prompts every take: reused ones would measure KV store hits, not prefill."""
+    tokenizer = load_tokenizer(str(tiny_deepseek_v3))
+    source = PromptSource(tokenizer, 300, seed=0)
+    prompts = source.take(3) + source.take(3)
+    assert len(set(prompts)) == 6
+    assert [len(tokenizer(p).input_ids) for p in prompts] == [300] * 6
 
 
 @pytest.mark.parametrize("argv", [["--goodput", "latency:5"], ["--goodput", "ttft"], ["--num-prompts", "0"],
