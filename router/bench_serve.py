@@ -334,7 +334,9 @@ def plot(runs: list[Run], path: Path) -> None:
                 ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
         axes[2].bar(name, run.metrics["tpot_ms"]["p50"])
     for ax, title in zip(axes[:2], ("TTFT", "inter-token latency")):
-        ax.set(title=f"{title} CDF", xlabel="ms", ylabel="fraction of requests" if title == "TTFT" else "fraction")
+        # Log scale: one prefill stalling a colocated decode makes ITL spikes 100x the median.
+        ax.set(title=f"{title} CDF", xlabel="ms (log scale)", xscale="log",
+               ylabel="fraction of requests" if title == "TTFT" else "fraction of token gaps")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     axes[2].set(title="TPOT p50", ylabel="ms")
