@@ -34,6 +34,9 @@ class Row:
     gbps: float
     copy_gbps: float
     naive_gbps: float | None
+    variant: str | None = None  # native encoders: the kernel variant, tokens and warps timed
+    block_t: int | None = None
+    num_warps: int | None = None
 
     @property
     def vs_copy(self) -> float:
@@ -61,12 +64,15 @@ class Bench:
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
         self._copy: dict[int, float] = {}
         self.failures: list[str] = []
+        self.failed_variants: set[tuple[str, str]] = set()  # (op, native encoder variant)
 
-    def check(self, what: str, ok: bool) -> None:
+    def check(self, what: str, ok: bool, op_variant: tuple[str, str] | None = None) -> None:
         """Record a kernel/torch mismatch and go on: one bad check should not void the run."""
         if not ok:
             print(f"CHECK FAILED: {what}", flush=True)
             self.failures.append(what)
+            if op_variant:
+                self.failed_variants.add(op_variant)
 
     def time(self, fn: Callable[[], object]) -> float:
         """Median microseconds of one call."""
@@ -92,11 +98,11 @@ class Bench:
         return self._copy[size]
 
     def row(self, op: str, shape: str, config: str, moved: int, fn: Callable[[], object],
-            naive: Callable[[], object] | None) -> Row:
+            naive: Callable[[], object] | None, **launch: object) -> Row:
         us = self.time(fn)
         naive_gbps = moved / self.time(naive) / 1e3 if naive else None
         return Row(op, shape, config, moved / 2**20, us, moved / us / 1e3, self.copy_gbps(moved),
-                   naive_gbps)
+                   naive_gbps, **launch)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- paged
@@ -157,25 +163,50 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+CODEC_OPS = ("encode_v32", "decode_v32", "encode_v4", "decode_v4")
+
+
 def bench_codecs(bench: Bench, min_bytes: int, block_size: int, natives: list[bool],
-                 configs: list[tuple[int | None, int | None]]) -> list[Row]:
+                 configs: list[tuple[int | None, int | None]],
+                 encode_variants: list[str | None] | None = None,
+                 ops: tuple[str, ...] = CODEC_OPS) -> list[Row]:
+    """Every codec in `ops` for each fp8 path and launch configuration; on the native path the
+    encoders once for each of `encode_variants` (None: the launcher's default variant)."""
     from pdserve.kernels import fp8_ds_mla as f
 
+    only: dict[str | None, set[tuple[int, int]]] = {}  # "name@AxB/CxD": that variant at those only
+    names: list[str | None] = []
+    for spec in encode_variants or [None]:
+        name, _, launches = (spec or "").partition("@")
+        names.append(name or None)
+        if launches:
+            only[name] = {tuple(int(v) for v in x.split("x"))  # type: ignore[misc]
+                          for x in launches.split("/")}
+    variants_of = {False: [None], True: names}
     rows = []
     tokens = math.ceil(min_bytes / f.V4_ROW_BYTES / block_size) * block_size
     lat32, lat4, rope = (_bf16(tokens, width, bench.device) for width in (f.V32_NOPE, f.V4_NOPE, f.ROPE))
-    v32 = f.encode_v32_triton(lat32, rope)
-    pages = f.encode_v4_triton(lat4, rope, block_size)
-    # Checked against the torch references on the CPU (the definition), on a slice of the data.
+    v32 = f.encode_v32_triton(lat32, rope, native=False)
+    pages = f.encode_v4_triton(lat4, rope, block_size, native=False)
+    # Checked against the torch references on the CPU (the definition), on a slice of the data,
+    # and on a slice whose length is no multiple of any launch's tokens per program.
     n = min(tokens, 1 << 15)
     cpu32, cpu4, cpu_rope = lat32[:n].cpu(), lat4[:n].cpu(), rope[:n].cpu()
     rows32, pages4 = f.encode_v32_torch(cpu32, cpu_rope), f.encode_v4_torch(cpu4, cpu_rope, block_size)
+    odd = n - 3
+    rows32_odd = f.encode_v32_torch(cpu32[:odd], cpu_rope[:odd])
+    pages4_odd = f.encode_v4_torch(cpu4[:odd], cpu_rope[:odd], block_size)
     for native in natives:
+        for variant in variants_of[native]:
+            tag = f"native={native}" + (f" variant={variant}" if variant else "")
+            kw = dict(native=native, variant=variant)
+            ok = _same(f.encode_v32_triton(lat32[:n], rope[:n], **kw).cpu(), rows32) and _same(
+                f.encode_v32_triton(lat32[:odd], rope[:odd], **kw).cpu(), rows32_odd)
+            bench.check(f"encode_v32 {tag} equals torch", ok, ("encode_v32", variant or "default"))
+            ok = _same(f.encode_v4_triton(lat4[:n], rope[:n], block_size, **kw).cpu(), pages4) and _same(
+                f.encode_v4_triton(lat4[:odd], rope[:odd], block_size, **kw).cpu(), pages4_odd)
+            bench.check(f"encode_v4 {tag} equals torch", ok, ("encode_v4", variant or "default"))
         tag = f"native={native}"
-        bench.check(f"encode_v32 {tag} equals torch",
-                    _same(f.encode_v32_triton(lat32[:n], rope[:n], native=native).cpu(), rows32))
-        bench.check(f"encode_v4 {tag} equals torch",
-                    _same(f.encode_v4_triton(lat4[:n], rope[:n], block_size, native=native).cpu(), pages4))
         got = f.decode_v32_triton(v32[:n], native=native)
         bench.check(f"decode_v32 {tag} equals torch",
                     all(_same(g.cpu(), w) for g, w in zip(got, f.decode_v32_torch(v32[:n].cpu()))))
@@ -188,27 +219,183 @@ def bench_codecs(bench: Bench, min_bytes: int, block_size: int, natives: list[bo
     kv32, kv4 = tokens * f.V32_ROW_BYTES, tokens * f.V4_ROW_BYTES
     shape32 = f"{tokens} tok x 656B"
     shape4 = f"{tokens} tok x 584B pages of {block_size}"
+    first_seen: set[str] = set()
+
+    def naive(op: str, fn: Callable[[], object]) -> Callable[[], object] | None:
+        if op in first_seen:
+            return None
+        first_seen.add(op)
+        return fn
+
     for native in natives:
         for block_t, warps in configs:
             shape_of = f"bt={block_t} w={warps}" if block_t else "default"
-            config = f"{'native' if native else 'portable'} {shape_of}"
-            first = native == natives[0] and (block_t, warps) == configs[0]
+            path = "native" if native else "portable"
             kw = dict(native=native, block_t=block_t, num_warps=warps)
-            rows += [
-                bench.row("encode_v32", shape32, config, bf16_32 + kv32,
-                          lambda: f.encode_v32_triton(lat32, rope, out32, **kw),
-                          (lambda: f.encode_v32_torch(lat32, rope)) if first else None),
-                bench.row("decode_v32", shape32, config, bf16_32 + kv32,
-                          lambda: f.decode_v32_triton(v32, **kw),
-                          (lambda: f.decode_v32_torch(v32)) if first else None),
-                bench.row("encode_v4", shape4, config, bf16_4 + kv4,
-                          lambda: f.encode_v4_triton(lat4, rope, block_size, out4, **kw),
-                          (lambda: f.encode_v4_torch(lat4, rope, block_size, out4)) if first else None),
-                bench.row("decode_v4", shape4, config, bf16_4 + kv4,
-                          lambda: f.decode_v4_triton(pages, tokens, block_size, **kw),
-                          (lambda: f.decode_v4_torch(pages, tokens, block_size)) if first else None),
-            ]
+            for op in ops:
+                if op.startswith("decode"):
+                    if op == "decode_v32":
+                        rows.append(bench.row(op, shape32, f"{path} {shape_of}", bf16_32 + kv32,
+                                              lambda: f.decode_v32_triton(v32, **kw),
+                                              naive(op, lambda: f.decode_v32_torch(v32))))
+                    else:
+                        rows.append(bench.row(
+                            op, shape4, f"{path} {shape_of}", bf16_4 + kv4,
+                            lambda: f.decode_v4_triton(pages, tokens, block_size, **kw),
+                            naive(op, lambda: f.decode_v4_torch(pages, tokens, block_size))))
+                    continue
+                for variant in variants_of[native]:
+                    if variant in only and (block_t, warps) not in only[variant]:
+                        continue
+                    ekw = dict(kw, variant=variant)
+                    config = f"{path} {shape_of}" if variant is None else (
+                        f"{variant} {block_t}x{warps}" if block_t else f"{variant} default")
+                    launch = (dict(variant=variant or "default", block_t=block_t, num_warps=warps)
+                              if native else {})
+                    if op == "encode_v32":
+                        rows.append(bench.row(
+                            op, shape32, config, bf16_32 + kv32,
+                            lambda: f.encode_v32_triton(lat32, rope, out32, **ekw),
+                            naive(op, lambda: f.encode_v32_torch(lat32, rope)), **launch))
+                    else:
+                        rows.append(bench.row(
+                            op, shape4, config, bf16_4 + kv4,
+                            lambda: f.encode_v4_triton(lat4, rope, block_size, out4, **ekw),
+                            naive(op, lambda: f.encode_v4_torch(lat4, rope, block_size, out4)),
+                            **launch))
     return rows
+
+
+def _all_pairs(group: int, device: torch.device, top: int = 0x7F81) -> torch.Tensor:
+    """int16 bf16 patterns [G, group]: every pair of a magnitude `a` (0 to Inf) and a value x with
+    |x| <= a, a first in each group; then groups mixing NaN patterns (all 254) with values under
+    their amax; then groups of NaN only. The encoders treat a group as its amax and its values,
+    so this covers every input a group can present to the quotient and the scale."""
+    per = group - 1
+    a = torch.arange(top, device=device, dtype=torch.int64)  # magnitudes; 0x7F80 is Inf
+    count = 2 * (a + 1)  # both signs of every magnitude <= a
+    ng = (count + per - 1) // per
+    ga = torch.repeat_interleave(a, ng)
+    first = torch.repeat_interleave(torch.cumsum(ng, 0) - ng, ng)
+    j = (torch.arange(ga.numel(), device=device) - first).to(torch.int32)
+    idx = j[:, None] * per + torch.arange(per, device=device, dtype=torch.int32)[None, :]
+    idx %= torch.repeat_interleave(count, ng).to(torch.int32)[:, None]
+    pairs = torch.cat([ga[:, None].to(torch.int32), (idx >> 1) | ((idx & 1) << 15)], 1)
+    del idx, j, first
+    nan = torch.arange(0x7F81, 0x8000, device=device, dtype=torch.int32)
+    nan = torch.cat([nan, nan | 0x8000])  # all 254 NaN patterns
+    gen = torch.Generator(device=device).manual_seed(5)
+    k = group // 2
+    mixed_x = torch.rand(a.numel(), group - 1 - k, device=device, generator=gen) * (a + 1)[:, None]
+    mixed_x = mixed_x.to(torch.int32)  # magnitudes <= a
+    mixed_x |= torch.randint(0, 2, mixed_x.shape, device=device, generator=gen, dtype=torch.int32) << 15
+    mixed_nan = nan[torch.arange(a.numel() * k, device=device) % nan.numel()].view(a.numel(), k)
+    mixed = torch.cat([a[:, None].to(torch.int32), mixed_nan, mixed_x], 1)
+    only_nan = nan[torch.arange(4 * group, device=device) % nan.numel()].view(4, group)
+    return torch.cat([pairs, mixed, only_nan]).to(torch.int16)
+
+
+def check_exhaustive(bench: Bench, variants: list[str | None]) -> None:
+    """Every native encoder variant against the portable kernel (integer arithmetic, the bits of
+    the torch reference) on `_all_pairs`: bit-exact rows and pages, or a failed check."""
+    from pdserve.kernels import fp8_ds_mla as f
+
+    for op, group, groups_per_token in (("encode_v32", 128, 4), ("encode_v4", 64, 7)):
+        pairs = _all_pairs(group, bench.device)
+        pad = -pairs.shape[0] % groups_per_token
+        pairs = torch.cat([pairs, pairs.new_zeros(pad, group)])
+        latent = pairs.view(-1, group * groups_per_token).view(torch.bfloat16)
+        tokens = latent.shape[0]
+        rope = torch.randint(-32768, 32768, (tokens, f.ROPE), device=bench.device,
+                             dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        if op == "encode_v32":
+            def enc(**kw):
+                return f.encode_v32_triton(latent, rope, **kw)
+        else:
+            def enc(**kw):
+                return f.encode_v4_triton(latent, rope, 64, **kw)
+        want = enc(native=False)
+        for variant in variants:
+            variant = variant or f.NATIVE_ENCODE[op[-3:].lstrip("_")][0]
+            got = enc(native=True, variant=variant)
+            bad = int((got != want).any(dim=-1).sum())
+            print(f"exhaustive {op} variant={variant}: {pairs.shape[0]} groups, {tokens} tokens, "
+                  f"{bad} differing rows", flush=True)
+            bench.check(f"exhaustive {op} variant={variant}", bad == 0, (op, variant))
+            del got
+        del pairs, latent, rope, want
+        torch.cuda.empty_cache()
+
+
+def _compile_one(job: tuple[str, str | None, int | None, int | None, int]) -> str:
+    """Launch one native encoder on a few tokens so its kernel lands in Triton's cache."""
+    from pdserve.kernels import fp8_ds_mla as f
+
+    op, variant, block_t, warps, block_size = job
+    start = time.perf_counter()
+    tokens, width = 64, f.V32_NOPE if op == "encode_v32" else f.V4_NOPE
+    latent = torch.zeros(tokens, width, dtype=torch.bfloat16, device="cuda")
+    rope = torch.zeros(tokens, f.ROPE, dtype=torch.bfloat16, device="cuda")
+    kw = dict(native=True, variant=variant, block_t=block_t, num_warps=warps)
+    if op == "encode_v32":
+        f.encode_v32_triton(latent, rope, **kw)
+    else:
+        f.encode_v4_triton(latent, rope, block_size, **kw)
+    torch.cuda.synchronize()
+    return f"{op} {variant} {block_t}x{warps} {time.perf_counter() - start:.1f}s"
+
+
+def precompile(variants: list[str | None], configs: list[tuple[int | None, int | None]],
+               block_size: int, jobs: int) -> None:
+    """Fill Triton's on-disk cache with every native encoder launch of the run, `jobs` at a time
+    (a cache miss costs about a second of compiling, serially, otherwise)."""
+    import concurrent.futures
+    import multiprocessing
+
+    work = []
+    for spec in variants:
+        name, _, launches = (spec or "").partition("@")
+        allowed = [tuple(int(v) for v in x.split("x")) for x in launches.split("/")] if launches else configs
+        for block_t, warps in [(None, None)] + list(allowed):
+            for op in ("encode_v32", "encode_v4"):
+                work.append((op, name or None, block_t, warps, block_size))
+    start = time.perf_counter()
+    try:
+        with concurrent.futures.ProcessPoolExecutor(
+                jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(_compile_one, work))
+        print(f"precompiled {len(done)} launches in {time.perf_counter() - start:.1f}s", flush=True)
+    except Exception as exc:  # noqa: BLE001 - only a head start; the run compiles what is missing
+        print(f"precompile failed ({exc!r}); going on", flush=True)
+
+
+def best_native_encode(path: str) -> str:
+    """From a `--json` file of a sweep: the fastest variant and launch of each native encoder that
+    passed every check, as a `--native-encode` value."""
+    with open(path) as fh:
+        data = json.load(fh)
+    failed = {tuple(x) for x in data.get("failed_variants", [])}
+    picks = []
+    for op, key in (("encode_v32", "v32"), ("encode_v4", "v4")):
+        rows = [r for r in data["rows"] if r["op"] == op and r.get("variant") and r.get("block_t")
+                and (op, r["variant"]) not in failed]
+        if rows:
+            best = max(rows, key=lambda r: r["gbps"])
+            picks.append(f"{key}={best['variant']}:{best['block_t']}x{best['num_warps']}")
+    return ",".join(picks)
+
+
+def _set_native_encode(text: str) -> None:
+    """'v32=words:8x2,v4=float:4x2' -> fp8_ds_mla.NATIVE_ENCODE for this run."""
+    from pdserve.kernels import fp8_ds_mla as f
+
+    for item in filter(None, text.split(",")):
+        key, _, spec = item.partition("=")
+        variant, _, launch = spec.partition(":")
+        block_t, warps = (int(v) for v in launch.split("x"))
+        if key not in f.NATIVE_ENCODE or variant not in f.ENCODE_VARIANTS:
+            raise SystemExit(f"bad --native-encode item {item!r}")
+        f.NATIVE_ENCODE[key] = (variant, block_t, warps)
 
 
 # ---------------------------------------------------------------- CLI
@@ -233,6 +420,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="BLOCK_TxWARPS list for the codecs; 'default' is each codec's own "
                              "launch configuration (default: %(default)s)")
     parser.add_argument("--codec-block-size", type=int, default=256, help="V4 page size for the codecs")
+    parser.add_argument("--codec-ops", default=",".join(CODEC_OPS), help="codecs to time (default: all)")
+    parser.add_argument("--encode-variants", default="default",
+                        help="native encoder variants to time and check, from "
+                             "fp8_ds_mla.ENCODE_VARIANTS; 'default' is the launcher's (default: %(default)s)")
+    parser.add_argument("--native-encode", default="",
+                        help="override the native encoders' defaults for this run, e.g. "
+                             "'v32=words:8x2,v4=words:8x2' (variant:TOKENSxWARPS)")
+    parser.add_argument("--native-only", action="store_true",
+                        help="time only the native (sm89+) codec path")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="check every native encoder variant against the portable kernel on all "
+                             "(amax, value) pairs of bf16 magnitudes (about 2 GiB a codec)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="compile the native encoders' launches in this many processes first")
+    parser.add_argument("--best-from", metavar="JSON",
+                        help="print the fastest checked native encoders of a sweep's --json file as a "
+                             "--native-encode value, and exit")
     parser.add_argument("--skip-paged", action="store_true")
     parser.add_argument("--skip-codecs", action="store_true")
     parser.add_argument("--warmup-ms", type=int, default=50)
@@ -243,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.best_from:
+        print(best_native_encode(args.best_from))
+        return 0
     if not torch.cuda.is_available():
         print("pdserve bench kernels: needs a CUDA device", file=sys.stderr)
         return 2
@@ -255,6 +462,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()} (sm{cc[0]}{cc[1]}), torch {torch.__version__}, "
           f"triton {triton.__version__}; GB/s = (bytes read + bytes written) / time, median of "
           f"{args.rep_ms} ms of runs")
+    _set_native_encode(args.native_encode)
+    from pdserve.kernels import fp8_ds_mla
+
+    print("native encoder defaults: " + ", ".join(
+        f"{k}={v}:{bt}x{w}" for k, (v, bt, w) in fp8_ds_mla.NATIVE_ENCODE.items())
+        + f"; portable and decoders: {fp8_ds_mla.BLOCK_T}x{fp8_ds_mla.NUM_WARPS} (tokens x warps)")
+    variants = [None if v == "default" else v for v in args.encode_variants.split(",")]
+    native_ok = cc >= (8, 9)
+    if args.jobs > 1 and native_ok and not args.skip_codecs:
+        precompile(variants, _pairs(args.codec_configs), args.codec_block_size, args.jobs)
+    if args.exhaustive and native_ok:
+        check_exhaustive(bench, [v.partition("@")[0] if v else None for v in variants])
     print(HEADER)
     rows: list[Row] = []
 
@@ -270,13 +489,14 @@ def main(argv: list[str] | None = None) -> int:
                                  _pairs(args.paged_configs)))
                 torch.cuda.empty_cache()
     if not args.skip_codecs:
-        natives = [False, True] if cc >= (8, 9) else [False]
+        natives = ([] if args.native_only else [False]) + ([True] if native_ok else [])
         emit(bench_codecs(bench, min_bytes, args.codec_block_size, natives,
-                          _pairs(args.codec_configs)))
+                          _pairs(args.codec_configs), variants, tuple(args.codec_ops.split(","))))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": [dict(asdict(r), vs_copy=r.vs_copy) for r in rows],
-                       "failures": bench.failures}, f, indent=1)
+                       "failures": bench.failures,
+                       "failed_variants": sorted(bench.failed_variants)}, f, indent=1)
     print("all checks passed" if not bench.failures else f"{len(bench.failures)} checks FAILED")
     return 1 if bench.failures else 0
 

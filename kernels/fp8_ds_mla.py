@@ -54,9 +54,19 @@ V4_PAGE_ALIGN = 576
 V4_MIN_AMAX = 1e-4
 ROPE = 64
 
-# Tokens and warps per program: the fastest for all four codecs, native and portable, of the
-# configurations measured on an H200 (`pdserve bench kernels --codec-configs ...`, kernels/README.md).
+# Tokens and warps per program of the portable kernels and the decoders: the fastest for all four
+# codecs of the configurations measured on an H200 (`pdserve bench kernels --codec-configs ...`,
+# kernels/README.md).
 BLOCK_T, NUM_WARPS = 4, 2
+# The native (sm89+) encoders: kernel variant, tokens and warps per program. Variants (all give the
+# same bits; the GPU tests and `pdserve bench kernels --exhaustive` check each): "legacy" is the
+# portable kernel with hardware conversions; "float" and "float-nofix" use a float amax and an
+# FMA-corrected quotient ("nofix" leaves NaN to the conversion, which gives 0x7F on the H200);
+# "words" does that on int64/int32 words with packed conversions (falls back to "float" when the
+# tensors are not aligned for it). Defaults: the fastest of the H200 sweep in kernels/README.md
+# (words at 1.01-1.02 of copy bandwidth there, against 0.72 and 0.86 for legacy).
+ENCODE_VARIANTS = ("legacy", "float", "float-nofix", "words")
+NATIVE_ENCODE = {"v32": ("words", 4, 2), "v4": ("words", 2, 1)}
 
 
 def v4_page_bytes(block_size: int) -> int:
@@ -232,21 +242,59 @@ def _launch(tokens: int, block_t: int | None, num_warps: int | None) -> dict:
     return {"grid": (-(-tokens // block_t),), "BLOCK_T": block_t, "num_warps": num_warps or NUM_WARPS}
 
 
+def _encode_launch(codec: str, native: bool, variant: str | None, block_t: int | None,
+                   num_warps: int | None) -> tuple[str, int, int]:
+    """(variant, tokens, warps) of an encoder launch: the caller's, or the measured defaults."""
+    if not native:
+        if variant not in (None, "legacy"):
+            raise ValueError(f"encoder variant {variant!r} needs the native (sm89+) conversions")
+        return "legacy", block_t or BLOCK_T, num_warps or NUM_WARPS
+    default, bt, warps = NATIVE_ENCODE[codec]
+    variant = variant or default
+    if variant not in ENCODE_VARIANTS:
+        raise ValueError(f"unknown encoder variant {variant!r}; one of {ENCODE_VARIANTS}")
+    if variant != default:
+        bt, warps = BLOCK_T, NUM_WARPS
+    return variant, block_t or bt, num_warps or warps
+
+
+def _words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`t` viewed as `dtype` words, or None where its strides or offset do not allow it."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
+
+
 def encode_v32_triton(latent: torch.Tensor, rope: torch.Tensor, out: torch.Tensor | None = None, *,
                       native: bool | None = None, block_t: int | None = None,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, variant: str | None = None) -> torch.Tensor:
     from pdserve.kernels import fp8_ds_mla_triton as k
 
     tokens = _check_inputs(latent, rope, V32_NOPE)
     if out is None:
         out = torch.empty(tokens, V32_ROW_BYTES, dtype=torch.uint8, device=latent.device)
     rows = _check_rows(out)
-    if tokens:
-        launch = _launch(tokens, block_t, num_warps)
-        k.encode_v32_kernel[launch.pop("grid")](
-            latent.view(torch.int16), rope.view(torch.int16), rows, rows.view(torch.int32),
-            rows.view(torch.int16), tokens, latent.stride(0), rope.stride(0),
-            NATIVE=_use_native(native, latent.device), **launch)
+    if not tokens:
+        return out
+    is_native = _use_native(native, latent.device)
+    variant, block_t, num_warps = _encode_launch("v32", is_native, variant, block_t, num_warps)
+    grid = (-(-tokens // block_t),)
+    if variant == "words":
+        lat64, rope32 = _words(latent, torch.int64), _words(rope, torch.int32)
+        if lat64 is not None and rope32 is not None:
+            k.encode_v32_words_kernel[grid](
+                lat64, rope32, rows.view(torch.int32), tokens, lat64.stride(0), rope32.stride(0),
+                BLOCK_T=block_t, num_warps=num_warps)
+            return out
+        variant = "float"
+    args = (latent.view(torch.int16), rope.view(torch.int16), rows, rows.view(torch.int32),
+            rows.view(torch.int16), tokens, latent.stride(0), rope.stride(0))
+    if variant == "legacy":
+        k.encode_v32_kernel[grid](*args, BLOCK_T=block_t, NATIVE=is_native, num_warps=num_warps)
+    else:
+        k.encode_v32_float_kernel[grid](*args, BLOCK_T=block_t, NAN_FIX=variant == "float",
+                                        num_warps=num_warps)
     return out
 
 
@@ -269,18 +317,35 @@ def decode_v32_triton(rows: torch.Tensor, *, native: bool | None = None, block_t
 
 def encode_v4_triton(latent: torch.Tensor, rope: torch.Tensor, block_size: int = 64,
                      out: torch.Tensor | None = None, *, native: bool | None = None,
-                     block_t: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                     block_t: int | None = None, num_warps: int | None = None,
+                     variant: str | None = None) -> torch.Tensor:
     from pdserve.kernels import fp8_ds_mla_triton as k
 
     tokens = _check_inputs(latent, rope, V4_NOPE)
     pages = _v4_out(out, tokens, block_size, latent.device)
     block_size, page_stride = _pages(pages, block_size)
-    if tokens:
-        launch = _launch(tokens, block_t, num_warps)
-        k.encode_v4_kernel[launch.pop("grid")](
-            latent.view(torch.int16), rope.view(torch.int16), pages, pages.view(torch.int16),
-            tokens, latent.stride(0), rope.stride(0), page_stride,
-            BLOCK_SIZE=block_size, NATIVE=_use_native(native, latent.device), **launch)
+    if not tokens:
+        return pages
+    is_native = _use_native(native, latent.device)
+    variant, block_t, num_warps = _encode_launch("v4", is_native, variant, block_t, num_warps)
+    grid = (-(-tokens // block_t),)
+    if variant == "words":
+        lat64, rope32 = _words(latent, torch.int64), _words(rope, torch.int32)
+        pages32 = _words(pages, torch.int32) if page_stride % 4 == 0 else None
+        if lat64 is not None and rope32 is not None and pages32 is not None:
+            k.encode_v4_words_kernel[grid](
+                lat64, rope32, pages, pages32, tokens, lat64.stride(0), rope32.stride(0), page_stride,
+                BLOCK_SIZE=block_size, BLOCK_T=block_t, num_warps=num_warps)
+            return pages
+        variant = "float"
+    args = (latent.view(torch.int16), rope.view(torch.int16), pages, pages.view(torch.int16),
+            tokens, latent.stride(0), rope.stride(0), page_stride)
+    if variant == "legacy":
+        k.encode_v4_kernel[grid](*args, BLOCK_SIZE=block_size, BLOCK_T=block_t, NATIVE=is_native,
+                                 num_warps=num_warps)
+    else:
+        k.encode_v4_float_kernel[grid](*args, BLOCK_SIZE=block_size, BLOCK_T=block_t,
+                                       NAN_FIX=variant == "float", num_warps=num_warps)
     return pages
 
 

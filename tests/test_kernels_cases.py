@@ -86,3 +86,34 @@ def caches(layers: int, blocks: int, block_size: int, width: int, dtype: torch.d
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
                                               b.contiguous().view(torch.uint8))
+
+
+NAN_BITS = [0x7F81, 0xFF81, 0x7FC0, 0xFFC0, 0x7FFF, 0xFFFF, 0x7FA5, 0xFFD3]  # quiet, signaling, both signs
+
+
+def special_groups(width: int, group: int, seed: int = 4) -> torch.Tensor:
+    """bf16 [4, width]: groups made of NaN (every group of row 0 is all NaN), Inf, zeros,
+    subnormals and values whose scale is far below 2^-100 or just around it, one kind a group."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def b16(v: torch.Tensor) -> torch.Tensor:
+        return v.to(torch.bfloat16).view(torch.int16)
+
+    nan = torch.tensor([v - 0x10000 if v >= 0x8000 else v for v in NAN_BITS], dtype=torch.int16)
+    kinds = [
+        nan.repeat(group // len(nan) + 1)[:group],  # all NaN
+        torch.cat([nan[:3], b16(torch.tensor([float("inf"), -0.0, 1.5])),
+                   b16(torch.randn(group - 6, generator=gen))]),
+        b16(torch.tensor([float("inf"), float("-inf")] * (group // 2))),  # all +-Inf
+        torch.cat([nan[:1], b16(torch.zeros(group - 1))]),  # NaN and zeros
+        b16(torch.randn(group, generator=gen) * 448 * 2.0**-112),  # scale far under 2^-100
+        b16(torch.randn(group, generator=gen) * 448 * 2.0**-101.5),  # scale around 2^-100
+        b16(torch.randn(group, generator=gen) * 448 * 2.0**-92),
+        torch.randint(1, 0x80, (group,), generator=gen).to(torch.int16),  # subnormals only
+    ]
+    rows = []
+    for r in range(4):
+        groups = [kinds[0]] * (width // group) if r == 0 else [
+            kinds[(r * 3 + g) % len(kinds)] for g in range(width // group)]
+        rows.append(torch.cat(groups))
+    return torch.stack(rows).view(torch.bfloat16)

@@ -9,7 +9,8 @@ import torch
 
 from pdserve.kernels import fp8_ds_mla as f
 from pdserve.kernels import paged
-from test_kernels_cases import caches, edge_latent, random_bytes, random_rope, same_bits
+from test_kernels_cases import (caches, edge_latent, random_bytes, random_rope, same_bits,
+                                special_groups)
 
 HAS_CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
@@ -61,28 +62,76 @@ def test_paged_flash_shape() -> None:
 
 def _latent(width: int, group: int) -> torch.Tensor:
     big = torch.randn(4096, width) * torch.logspace(-20, 20, 4096)[:, None]
-    return torch.cat([edge_latent(width, group), big.to(torch.bfloat16)])
+    return torch.cat([edge_latent(width, group), special_groups(width, group), big.to(torch.bfloat16)])
 
 
-@pytest.mark.parametrize("native", NATIVE)
-def test_v32_codec_matches_torch(native: bool) -> None:
+# (native, encoder variant): the portable kernel, then every native variant where the GPU has them
+ENCODERS = [(False, None)] + ([(True, v) for v in f.ENCODE_VARIANTS] if True in NATIVE else [])
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` one element off its allocation's 8-byte alignment (no int64/int32 views)."""
+    raw = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = raw[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("native,variant", ENCODERS)
+def test_encode_v32_matches_torch(native: bool, variant: str | None) -> None:
     latent = _latent(512, 128)
     rope = random_rope(latent.shape[0])
     rows = f.encode_v32_torch(latent, rope)
-    assert same_bits(f.encode_v32_triton(latent.cuda(), rope.cuda(), native=native).cpu(), rows)
-    rows = torch.cat([rows, random_bytes(512, 656)])
+    lat, rp = latent.cuda(), rope.cuda()
+    for block_t, warps in [(None, None), (2, 1), (16, 4)]:
+        got = f.encode_v32_triton(lat, rp, native=native, variant=variant, block_t=block_t,
+                                  num_warps=warps)
+        assert same_bits(got.cpu(), rows), (block_t, warps)
+    strided = torch.cat([lat, lat], 1)[:, :512]  # a row stride other than 512
+    assert same_bits(f.encode_v32_triton(strided[:13], rp[:13], native=native, variant=variant).cpu(),
+                     rows[:13])
+    # no word views possible: "words" falls back to the "float" kernel
+    got = f.encode_v32_triton(_misaligned(lat[:37]), _misaligned(rp[:37]), native=native, variant=variant)
+    assert same_bits(got.cpu(), rows[:37])
+
+
+@pytest.mark.parametrize("native,variant", ENCODERS)
+@pytest.mark.parametrize("block_size", [64, 256])
+def test_encode_v4_matches_torch(native: bool, variant: str | None, block_size: int) -> None:
+    latent = _latent(448, 64)
+    rope = random_rope(latent.shape[0])
+    pages = f.encode_v4_torch(latent, rope, block_size)
+    lat, rp = latent.cuda(), rope.cuda()
+    for block_t, warps in [(None, None), (2, 1), (16, 4)]:
+        got = f.encode_v4_triton(lat, rp, block_size, native=native, variant=variant,
+                                 block_t=block_t, num_warps=warps)
+        assert same_bits(got.cpu(), pages), (block_t, warps)
+    # vLLM's 3-D per-layer view with the padded page stride, pages full of garbage first
+    out = torch.randint(0, 256, pages.shape, dtype=torch.uint8, device="cuda")
+    view = out.as_strided((pages.shape[0], block_size, 584), (pages.shape[1], 584, 1))
+    want = pages.clone()
+    want.view(-1)[:] = out.cpu().view(-1)  # untouched bytes stay
+    want = f.encode_v4_torch(latent[:300], rope[:300], block_size, out=want)
+    f.encode_v4_triton(lat[:300], rp[:300], block_size, out=view, native=native, variant=variant)
+    assert same_bits(out.cpu(), want)
+    got = f.encode_v4_triton(_misaligned(lat[:37]), _misaligned(rp[:37]), block_size,
+                             native=native, variant=variant)
+    assert same_bits(got.cpu(), f.encode_v4_torch(latent[:37], rope[:37], block_size))
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_decode_v32_matches_torch(native: bool) -> None:
+    latent = _latent(512, 128)
+    rows = torch.cat([f.encode_v32_torch(latent, random_rope(latent.shape[0])), random_bytes(512, 656)])
     got, want = f.decode_v32_triton(rows.cuda(), native=native), f.decode_v32_torch(rows)
     assert all(same_bits(g.cpu(), w) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("block_size", [64, 256])
-def test_v4_codec_matches_torch(native: bool, block_size: int) -> None:
+def test_decode_v4_matches_torch(native: bool, block_size: int) -> None:
     latent = _latent(448, 64)
-    rope = random_rope(latent.shape[0])
-    pages = f.encode_v4_torch(latent, rope, block_size)
-    assert same_bits(f.encode_v4_triton(latent.cuda(), rope.cuda(), block_size,
-                                        native=native).cpu(), pages)
+    pages = f.encode_v4_torch(latent, random_rope(latent.shape[0]), block_size)
     pages = torch.cat([pages, random_bytes(3, pages.shape[1])])
     tokens = pages.shape[0] * block_size
     got = f.decode_v4_triton(pages.cuda(), tokens, block_size, native=native)

@@ -33,7 +33,8 @@ else:
 
     from pdserve.kernels import fp8_ds_mla as f
     from pdserve.kernels import paged
-    from test_kernels_cases import caches, edge_latent, random_bytes, random_rope, same_bits
+    from test_kernels_cases import (caches, edge_latent, random_bytes, random_rope, same_bits,
+                                    special_groups)
 
     # numpy warns on the NaN/Inf arithmetic the edge cases are made of
     pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -75,6 +76,15 @@ else:
         assert same_bits(f.encode_v32_triton(latent, rope, block_t=16), want)
         strided = torch.cat([latent, latent], 1)[:, :512]  # a row stride other than 512
         assert same_bits(f.encode_v32_triton(strided[:13], rope[:13], block_t=8), want[:13])
+
+    def test_encode_special_groups_match_torch() -> None:
+        """All-NaN, Inf and tiny-scale groups (what the native encoders special-case)."""
+        rope = random_rope(4)
+        latent = special_groups(512, 128)
+        assert same_bits(f.encode_v32_triton(latent, rope, block_t=4), f.encode_v32_torch(latent, rope))
+        latent = special_groups(448, 64)
+        assert same_bits(f.encode_v4_triton(latent, rope, 4, block_t=4),
+                         f.encode_v4_torch(latent, rope, 4))
 
     def test_decode_v32_matches_torch() -> None:
         latent, rope = edge_latent(512, 128), random_rope(16)

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.kernels import fp8_ds_mla as f
 from pdserve.kernels import paged
-from test_kernels_cases import bits, caches, edge_latent, random_rope, same_bits
+from test_kernels_cases import bits, caches, edge_latent, random_rope, same_bits, special_groups
 
 
 def _u16(t: torch.Tensor) -> list[int]:
@@ -244,3 +244,14 @@ def test_codec_dispatch_on_cpu_uses_torch() -> None:
     assert all(map(same_bits, f.decode_v32(rows), f.decode_v32_torch(rows)))
     pages = f.encode_v4(latent[:, :448].contiguous(), rope, 16)
     assert all(map(same_bits, f.decode_v4(pages, 16, 16), f.decode_v4_torch(pages, 16, 16)))
+
+
+def test_all_nan_group_gets_the_smallest_scale() -> None:
+    """A group of NaNs only (any payload or sign) has no amax: it gets the zero group's scale."""
+    rope = random_rope(4)
+    rows = f.encode_v32_torch(special_groups(512, 128), rope)
+    assert rows[0, :512].eq(0x7F).all()
+    assert rows[0, 512:528].view(torch.int32).eq(0x00800000).all()  # FLT_MIN
+    pages = f.encode_v4_torch(special_groups(448, 64), rope, 4)
+    assert pages[0, :448].eq(0x7F).all()
+    assert pages[0, 4 * 576:4 * 576 + 8].tolist() == [105] * 7 + [0]  # 2^-22, from amax 1e-4
