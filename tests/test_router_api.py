@@ -16,6 +16,7 @@ import msgspec
 import openai
 import pytest
 
+pytest.register_assert_rewrite("router_fixtures")  # it is imported here before pytest loads it as a plugin
 from procs import Proc
 from router_fixtures import API_KEY, Stack, chat_messages, long_prompt, metric, pd_router, start_router, wait_until
 

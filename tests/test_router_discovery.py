@@ -16,6 +16,7 @@ import openai
 import pytest
 import redis
 
+pytest.register_assert_rewrite("router_fixtures")  # it is imported here before pytest loads it as a plugin
 from pdserve.router.discovery import KEY_PREFIX, MembershipWatcher, Registrar, WorkerRecord
 from procs import Proc
 from router_fixtures import API_KEY, Stack, chat_messages, long_prompt, metric, start_router, wait_until

@@ -16,6 +16,7 @@ from typing import Iterator
 import openai
 import pytest
 
+pytest.register_assert_rewrite("router_fixtures")  # it is imported here before pytest loads it as a plugin
 from procs import Proc, free_port
 from router_fixtures import (
     API_KEY, Stack, chat_messages, long_prompt, metric, pd_router, raw_post, start_engine, start_router, wait_until,
