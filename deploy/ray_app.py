@@ -212,7 +212,12 @@ def _wait_ready(actors: dict[str, Any], deadline: float, what: str) -> dict[str,
     """Poll the actors' status until all are ready; raise with the log of one that died."""
     started = last_note = time.monotonic()
     while True:
-        states = dict(zip(actors, ray.get([a.status.remote() for a in actors.values()])))
+        states = {}
+        for name, actor in actors.items():
+            try:
+                states[name] = ray.get(actor.status.remote())
+            except ray.exceptions.RayActorError as exc:  # e.g. Ray's out-of-memory killer
+                raise StackError(f"the actor of {name} died while starting: {exc}") from None
         for name, st in states.items():
             if not st["alive"]:
                 tail = ray.get(actors[name].log_tail.remote())
