@@ -72,7 +72,7 @@ def _tiny_model_on_this_node() -> str:
         return str(tiny_model_dir())
 
 
-@ray.remote(max_concurrency=1)
+@ray.remote
 class ServiceActor:
     """Runs one service as a child process group on this actor's node, and reports on it.
 

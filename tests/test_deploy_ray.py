@@ -29,6 +29,7 @@ import openai
 import pytest
 import yaml
 
+from pdserve.deploy.ray_cli import COLUMNS, format_table
 from pdserve.deploy.ray_config import (
     NODE_IP, TINY_MODEL, ConfigError, gpus_per_replica, kvstore_spec, load_config, router_spec, worker_specs,
 )
@@ -127,6 +128,15 @@ def test_vllm_config_must_not_set_what_the_services_set(tmp_path: Path) -> None:
     settings.write_text("tensor-parallel-size: 2\nport: 9000\n")
     with pytest.raises(ConfigError, match=r"sets \['port'\]"):
         load_config(write_config(tmp_path, "cluster.yaml", vllm_config=str(settings)))
+
+
+def test_status_table_has_a_column_per_field_and_a_row_per_service() -> None:
+    rows = [{"name": "router", "kind": "router", "url": "http://h:8000", "alive": True, "ready": False},
+            {"name": "decode-0", "error": "GetTimeoutError", "alive": False, "ready": False}]
+    lines = format_table(rows).splitlines()
+    assert lines[0].split() == list(COLUMNS)
+    assert lines[1].split()[:4] == ["router", "router", "-", "http://h:8000"]
+    assert lines[2].split()[0] == "decode-0" and len(lines) == 3
 
 
 def test_ray_app_reports_a_bad_config_in_one_line(tmp_path: Path) -> None:
