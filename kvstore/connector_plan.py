@@ -62,6 +62,7 @@ class TransferJob:
     objects: list[ObjectSpec] = field(default_factory=list)
     tail_id: str | None = None
     wait_s: float = 0.0  # loads: how long to wait for objects a producer promised
+    store_url: str | None = None  # loads: the producer's store when it is not our own
 
 
 def plan_objects(

@@ -43,6 +43,7 @@ class LoadPlan:
     load_end: int  # tokens loadable from the store (prompt length - 1 at most)
     tail_id: str | None
     wait_s: float
+    store_url: str | None = None  # the producer's store, when it is not ours
 
 
 @dataclass
@@ -119,7 +120,9 @@ class SchedulerSide:
         end = len(promised) * self.chunk_size
         if tail_id:
             end = len(state.prompt)
-        return LoadPlan(len(promised), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s)
+        remote = params.get("kvstore_url")
+        store_url = remote if remote and remote != self.url else None
+        return LoadPlan(len(promised), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s, store_url)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         state = self._state(request)
@@ -163,7 +166,7 @@ class SchedulerSide:
             last_only_for_sliding=True,
             allow_short_table=True,
         )
-        self.pending_loads.append(TransferJob(request.request_id, objects, plan.tail_id, plan.wait_s))
+        self.pending_loads.append(TransferJob(request.request_id, objects, plan.tail_id, plan.wait_s, plan.store_url))
 
     # saving -----------------------------------------------------------------
     def _save_job(self, req_id: str, state: ReqState, computed_end: int) -> TransferJob | None:

@@ -181,16 +181,20 @@ class WorkerIO:
                 return out
 
     def _load_loop(self) -> None:
-        client: KVStoreClient | None = None
+        # One client per store: a P/D handoff loads from the store its producer wrote
+        # to (named in kv_transfer_params), which may be another node's.
+        clients: dict[str | None, KVStoreClient] = {}
         while (job := self._loads.get()) is not None:
             try:
-                client = client or self._client()
-                outcome = self._load_one(client, job)
+                if job.store_url not in clients:
+                    args = self.client_args if job.store_url is None else {**self.client_args, "url": job.store_url}
+                    clients[job.store_url] = KVStoreClient(**args)
+                outcome = self._load_one(clients[job.store_url], job)
             except KVStoreError as exc:
                 log.warning("load of %s failed, vLLM recomputes it: %s", job.req_id, exc)
-                if client is not None:
-                    client.close()
-                client = None
+                stale = clients.pop(job.store_url, None)
+                if stale is not None:
+                    stale.close()
                 outcome = LoadOutcome(job.req_id, {b for o in job.objects for b in _targets(o)}, False)
             self.stats.add(loads=1, failed_loads=int(not outcome.ok), loaded_bytes=outcome.loaded_bytes)
             self._done.put(outcome)

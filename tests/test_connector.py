@@ -181,6 +181,29 @@ def _recomputes(consumer: Proc) -> float:
     return _metric(httpx.get(f"{consumer.url}/metrics").text, "vllm:pdserve_failed_loads_total")
 
 
+def test_handoff_loads_from_the_store_named_in_its_params(ds3: PDPair) -> None:
+    """A decode loads from the producer's store (kv_transfer_params.kvstore_url), not its own:
+    pointed at an empty store, the load fails and is recomputed although the consumer's own
+    store holds every chunk."""
+    (prompt,) = prompts(10, [2 * CHUNK + 30])
+    want = ds3.baseline(prompt)
+    params = ds3.prefill(prompt)
+    port, http_port = free_port(), free_port()
+    empty = start_process(
+        [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port), "--chunk-size", str(CHUNK)],
+        f"http://127.0.0.1:{http_port}/health",
+        name="kvstore-empty",
+    )
+    try:
+        failures = _recomputes(ds3.consumer)
+        got, _ = ds3.decode(prompt, {**params, "kvstore_url": f"tcp://127.0.0.1:{port}"})
+        assert got == want
+        assert _eventually(lambda: _recomputes(ds3.consumer) == failures + 1)
+        assert httpx.get(f"http://127.0.0.1:{http_port}/stats").json()["metrics"]["misses_total"] > 0
+    finally:
+        empty.stop()
+
+
 def test_aborted_producer_frees_blocks_and_tail(ds3: PDPair) -> None:
     (prompt,) = prompts(7, [CHUNK + 100])
     body = {"model": ds3.model, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True,
