@@ -225,8 +225,11 @@ class MembershipWatcher:
             except (redis.RedisError, OSError) as exc:
                 log.warning("membership rescan failed (keeping last view): %s", exc)
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self._rescan_s)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
+                # that arrives as the wait ends, and stop() would then wait forever.
+                async with asyncio.timeout(self._rescan_s):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
 

@@ -209,12 +209,12 @@ class Pool:
                     queued = True
                     self.waiting += 1
                     self.metrics.queue_depth.labels(self.role).set(self.waiting)
-                remaining = deadline - loop.time()
                 fut: asyncio.Future[None] = loop.create_future()
                 self._waiters.append(fut)
                 try:
-                    await asyncio.wait_for(fut, remaining)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout_at(deadline):  # unlike wait_for, never swallows a client's cancel
+                        await fut
+                except TimeoutError:
                     raise overloaded(self.cfg.retry_after_s, f"no {self.role} worker freed up in {self.cfg.queue_timeout:g} s")
         finally:
             if queued:
