@@ -6,6 +6,7 @@ need them (with tests/procs.py), so a run of unrelated tests never pays for one.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -69,6 +70,7 @@ def _release_leaked_shared_memory() -> Iterator[None]:
 
 
 def _mapped_shm_names() -> set[str]:
+    """Names of /dev/shm segments some live process maps or holds open."""
     names: set[str] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
@@ -76,4 +78,11 @@ def _mapped_shm_names() -> set[str]:
         except OSError:
             continue
         names.update(part.rsplit("/", 1)[1] for part in text.split() if part.startswith("/dev/shm/"))
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/"):
+            names.add(target.removeprefix("/dev/shm/").split(" ")[0])
     return names
