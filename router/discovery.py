@@ -186,6 +186,7 @@ class MembershipWatcher:
         self.records: dict[str, WorkerRecord] = {}
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
+        self._closed = False
 
     def _wanted(self, rec: WorkerRecord) -> bool:
         return self._model is None or rec.model == self._model
@@ -219,14 +220,14 @@ class MembershipWatcher:
             await result
 
     async def _rescan_loop(self) -> None:
-        while True:
+        # Loops end on `_closed`, not only on cancellation: redis-py can swallow a cancel
+        # that lands inside a command, and stop() must never wait forever.
+        while not self._closed:
             try:
                 await self._apply(await self.scan())
             except (redis.RedisError, OSError) as exc:
                 log.warning("membership rescan failed (keeping last view): %s", exc)
             try:
-                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel
-                # that arrives as the wait ends, and stop() would then wait forever.
                 async with asyncio.timeout(self._rescan_s):
                     await self._wake.wait()
             except TimeoutError:
@@ -239,7 +240,7 @@ class MembershipWatcher:
         return pubsub
 
     async def _listen_loop(self, pubsub: aioredis.client.PubSub | None) -> None:
-        while True:
+        while not self._closed:
             try:
                 pubsub = pubsub or await self._subscribe()
                 async for message in pubsub.listen():
@@ -278,8 +279,11 @@ class MembershipWatcher:
         ]
 
     async def stop(self) -> None:
+        self._closed = True
+        self._wake.set()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # bounded: a loop blocked in a command that ate its cancel must not block shutdown
+            await asyncio.wait(self._tasks, timeout=5.0)
         self._tasks = []
         await self._redis.aclose()
