@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     store_port, store_http = _free_port(), _free_port()
     store_argv = [sys.executable, "-m", "pdserve.deploy.cli", "kvstore", "--port", str(store_port),
-                  "--http-port", str(store_http), "--chunk-size", str(args.chunk_size), "--l1-size-gb", "4"]
+                  "--http-port", str(store_http), "--chunk-size", str(args.chunk_size), "--l1-size-gb", "2"]
     ours_cfg = {"kv_connector": "PDServeConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"kvstore_url": f"tcp://127.0.0.1:{store_port}"}}
     with _process(store_argv, f"http://127.0.0.1:{store_http}/health", work / "kvstore.log"):

@@ -46,7 +46,7 @@ class PDPair:
         http_port = free_port()
         self.store = start_process(
             [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port),
-             "--chunk-size", str(CHUNK), "--tail-ttl-s", "5"],
+             "--chunk-size", str(CHUNK), "--tail-ttl-s", "5", "--l1-size-gb", "0.5"],
             f"http://127.0.0.1:{http_port}/health",
             name="kvstore",
         )
@@ -190,7 +190,8 @@ def test_handoff_loads_from_the_store_named_in_its_params(ds3: PDPair) -> None:
     params = ds3.prefill(prompt)
     port, http_port = free_port(), free_port()
     empty = start_process(
-        [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port), "--chunk-size", str(CHUNK)],
+        [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port), "--chunk-size", str(CHUNK),
+         "--l1-size-gb", "0.1"],
         f"http://127.0.0.1:{http_port}/health",
         name="kvstore-empty",
     )

@@ -48,7 +48,7 @@ def _env() -> dict[str, str]:
 def test_offline_llm_reuses_prefix_from_the_store(tiny_deepseek_v3: Path, tmp_path: Path) -> None:
     port, http_port = free_port(), free_port()
     store = start_process(
-        [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port)],
+        [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port), "--l1-size-gb", "0.25"],
         f"http://127.0.0.1:{http_port}/health",
         name="kvstore",
     )
