@@ -37,6 +37,15 @@ def resolve(argv: Sequence[str]) -> tuple[str, list[str]] | None:
     return None
 
 
+def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split `ours -- theirs`: everything after the first `--` goes to vLLM unchanged."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
 def load_entry(module: str, name: str = "main") -> Callable:
     return getattr(importlib.import_module(module), name)
 

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import httpx
 from tqdm import tqdm
 
+from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.children import open_log, signal_group, spawn, stop_group
 
 TINY_ARCH = "deepseek_v3"
@@ -361,11 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]:
     """The stack to run and the raw options (for the flags that are not about the stack)."""
-    argv = list(argv)
-    vllm_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, vllm_args = argv[:cut], argv[cut + 1 :]
+    argv, vllm_args = split_passthrough(argv)
     parser = build_parser()
     a = parser.parse_args(argv)
     if a.model is None:

@@ -28,6 +28,7 @@ from typing import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.children import spawn, stop_group
 from pdserve.router.discovery import DEFAULT_TTL_S, Registrar, Role, WorkerRecord, new_worker_id
 
@@ -138,11 +139,7 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
 
 def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
     """Split argv into our flags and vLLM's, and validate the combination."""
-    argv = list(argv)
-    explicit: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, explicit = argv[:cut], argv[cut + 1 :]
+    argv, explicit = split_passthrough(argv)
     args, unknown = build_parser(role).parse_known_args(argv)
     vllm_args = tuple(unknown + explicit)
     for flag in OWNED_VLLM_FLAGS:

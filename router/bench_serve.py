@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 from tqdm import tqdm
+from pdserve.deploy.cli import split_passthrough
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -486,11 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str]) -> BenchConfig:
-    argv = list(argv)
-    vllm_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, vllm_args = argv[:cut], argv[cut + 1 :]
+    argv, vllm_args = split_passthrough(argv)
     parser = build_parser()
     a = parser.parse_args(argv)
     if vllm_args and not a.compare:
