@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.children import spawn, stop_group
+from pdserve.kvstore.malloc import ENV as MALLOC_ENV
 from pdserve.router.discovery import DEFAULT_TTL_S, Registrar, Role, WorkerRecord, new_worker_id
 
 log = logging.getLogger("pdserve.worker")
@@ -256,7 +258,8 @@ class Worker:
 
     def run(self) -> int:
         cfg = self.cfg
-        self.child = spawn(cfg.vllm_argv())
+        # the user's own malloc settings win over the store-friendly defaults
+        self.child = spawn(cfg.vllm_argv(), env={k: v for k, v in MALLOC_ENV.items() if k not in os.environ})
         log.info("%s %s: started vLLM (pid %d) on %s", cfg.role, cfg.worker_id, self.child.pid, cfg.local_url)
         code, ready = 0, False
         try:

@@ -119,10 +119,14 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
             )
         token = ktc.get_from_extra_config("auth_token", None)
         timeout_s = float(ktc.get_from_extra_config("timeout_s", 30.0))
+        # None: the store's shared memory when it is on this host, else TCP; false forces TCP.
+        shm = ktc.get_from_extra_config("kvstore_shm", None)
+        if shm not in (None, True, False):
+            raise ConnectorConfigError(f"kv_connector_extra_config.kvstore_shm must be true or false, got {shm!r}")
         # A chunk that fails to load is recomputed, never served as wrong tokens and never fatal.
         ktc.kv_load_failure_policy = "recompute"
         try:
-            with KVStoreClient(url, auth_token=token, timeout_s=min(timeout_s, 10.0)) as client:
+            with KVStoreClient(url, auth_token=token, timeout_s=min(timeout_s, 10.0), shm=shm) as client:
                 chunk_size = client.info().chunk_size
                 self.layout, self.is_mla = describe_layout(vllm_config, kv_cache_config)
                 check_geometry(self.layout, chunk_size, vllm_config.cache_config.prefix_cache_retention_interval)
@@ -138,7 +142,7 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("PDServeConnector %s role=%s namespace=%s chunk=%d", role.name, ktc.kv_role, self.namespace, chunk_size)
         self.sched: SchedulerSide | None = None
         self.io: WorkerIO | None = None
-        self._client_args = {"url": url, "auth_token": token, "timeout_s": timeout_s}
+        self._client_args = {"url": url, "auth_token": token, "timeout_s": timeout_s, "shm": shm}
         self._saves = saves
         if role == KVConnectorRole.SCHEDULER:
             geometries = [GroupGeometry(g.block_size, g.sliding_window) for g in self.layout.groups]

@@ -206,12 +206,16 @@ class WorkerIO:
         tail_idx = [i for i, o in enumerate(job.objects) if o.key is None]
         got: list[memoryview | None] = [None] * len(job.objects)
         tail_pending = bool(tail_idx and job.tail_id)
-        dest = self._staging_views(job)
+        # Shared memory: copy out of the arena into staging (its slots are reused once the lease
+        # ends). TCP: the received frames are private already; scatter straight from them.
+        client.info()  # maps the store's arena when it is on this host
+        dest = self._staging_views(job) if client.uses_shm else None
         while True:
             missing = [i for i in chunk_idx if got[i] is None]
             if missing:
                 items = [(job.objects[i].group, job.objects[i].key) for i in missing]
-                for i, data in zip(missing, client.get(self.namespace, items, out=[dest[i] for i in missing])):
+                out = None if dest is None else [dest[i] for i in missing]
+                for i, data in zip(missing, client.get(self.namespace, items, out=out)):
                     got[i] = data
             if tail_pending:
                 tail = client.get_tail(self.namespace, job.tail_id)

@@ -20,8 +20,8 @@ class Metrics:
         self.hits = Counter(f"{PREFIX}_hits", "Objects found by get, by tier", ["tier"], registry=r)
         self.misses = Counter(f"{PREFIX}_misses", "Objects not found by get", registry=r)
         self.lookup_hits = Counter(f"{PREFIX}_lookup_hit_chunks", "Chunks matched by lookups", registry=r)
-        self.bytes_in = Counter(f"{PREFIX}_bytes_in", "Payload bytes stored", registry=r)
-        self.bytes_out = Counter(f"{PREFIX}_bytes_out", "Payload bytes loaded", registry=r)
+        self.bytes_in = Counter(f"{PREFIX}_bytes_in", "Payload bytes stored, by path (shm, tcp)", ["path"], registry=r)
+        self.bytes_out = Counter(f"{PREFIX}_bytes_out", "Payload bytes loaded, by path (shm, tcp)", ["path"], registry=r)
         self.evictions = Counter(f"{PREFIX}_evictions", "Objects evicted, by tier", ["tier"], registry=r)
         self.refused = Counter(f"{PREFIX}_refused", "Objects refused (too large, no room)", registry=r)
         self.corrupt = Counter(

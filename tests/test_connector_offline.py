@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from pathlib import Path
 
 from procs import ENGINE_ENV, free_port, pdserve_argv, start_process
@@ -23,7 +24,7 @@ OFFLINE_SCRIPT = textwrap.dedent(
             kv_cache_memory_bytes=256 << 20,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PDServeConnector", kv_role="kv_both",
-                kv_connector_extra_config={"kvstore_url": url},
+                kv_connector_extra_config={"kvstore_url": url, "kvstore_shm": False},
             ),
         )
         rng = random.Random(0)
@@ -46,6 +47,7 @@ def _env() -> dict[str, str]:
 
 
 def test_offline_llm_reuses_prefix_from_the_store(tiny_deepseek_v3: Path, tmp_path: Path) -> None:
+    """Over TCP (kvstore_shm false): the path a worker takes to a store on another host."""
     port, http_port = free_port(), free_port()
     store = start_process(
         [*pdserve_argv("kvstore"), "--port", str(port), "--http-port", str(http_port), "--l1-size-gb", "0.25"],
@@ -65,6 +67,10 @@ def test_offline_llm_reuses_prefix_from_the_store(tiny_deepseek_v3: Path, tmp_pa
         assert result["first_cached"] == 0
         assert result["second_cached"] >= 512  # two whole 256-token chunks came from the store
         assert result["second"] == result["first"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/stats") as r:
+            moved = json.load(r)["metrics"]
+        assert moved.get("bytes_in_total{path=tcp}", 0) > 0 and moved.get("bytes_out_total{path=tcp}", 0) > 0
+        assert moved.get("bytes_in_total{path=shm}", 0) == 0 and moved.get("bytes_out_total{path=shm}", 0) == 0
     finally:
         store.stop()
 

@@ -72,10 +72,18 @@ def test_namespaces_are_isolated(server: KVStoreProc) -> None:
 
 
 def test_http_health_metrics_stats(server: KVStoreProc) -> None:
-    with KVStoreClient(server.url) as c:
-        k = keys(1)
+    def counted() -> dict[str, float]:
+        with urllib.request.urlopen(server.http + "/stats") as r:
+            return json.load(r)["metrics"]
+
+    before = counted()
+    k = keys(2)
+    with KVStoreClient(server.url, shm=True) as c:
         c.put(NS, [(0, k[0], b"payload")])
         c.get(NS, [(0, k[0]), (0, b"missing-key")])
+    with KVStoreClient(server.url, shm=False) as c:
+        c.put(NS, [(0, k[1], b"payload over tcp")])
+        c.get(NS, [(0, k[1])])
     with urllib.request.urlopen(server.http + "/health") as r:
         assert json.load(r)["status"] == "ok"
     with urllib.request.urlopen(server.http + "/metrics") as r:
@@ -87,6 +95,10 @@ def test_http_health_metrics_stats(server: KVStoreProc) -> None:
         stats = json.load(r)
     assert stats["chunk_size"] == 256
     assert stats["metrics"]["hits_total{tier=l1}"] >= 1 and stats["metrics"]["misses_total"] >= 1
+    for direction in ("in", "out"):  # the fixture's server is shared: count this test's bytes only
+        for path, payload in (("shm", b"payload"), ("tcp", b"payload over tcp")):
+            name = f"bytes_{direction}_total{{path={path}}}"
+            assert stats["metrics"][name] - before.get(name, 0.0) == len(payload)
 
 
 # ------------------------------------------------------------------ LRU and leases under concurrency
@@ -400,5 +412,5 @@ def test_l2_spill_restart_and_corrupt_file(tmp_path: Path) -> None:
 def test_bench_runs_and_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(["--total-mib", "4", "--object-mib", "1", "2", "--repeat", "1"]) == 0
     table = capsys.readouterr().out
-    for row in ("| 1 MiB | shm |", "| 1 MiB | tcp |", "| 2 MiB | memcpy |"):
+    for row in ("| 1 MiB | shm |", "| 1 MiB | tcp |", "| 2 MiB | memcpy |", "| 2 MiB | zmq tcp alone |"):
         assert row in table

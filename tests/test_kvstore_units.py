@@ -108,7 +108,7 @@ def test_chunk_keys_prefix_property() -> None:
 
 
 def test_copy_all_copies_and_hashes_small_and_large() -> None:
-    for size in (10, 3 << 20):
+    for size in (10, 3 << 20, (3 << 20) + 5):  # the last ends in a partial block
         srcs = [memoryview(os.urandom(size)) for _ in range(3)]
         dsts = [memoryview(bytearray(size)) for _ in range(3)]
         assert copy_all(dsts, srcs) == [checksum(s) for s in srcs]
