@@ -36,7 +36,7 @@ from pdserve.kvstore.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.connector_plan import GroupGeometry
 from pdserve.kvstore.connector_scheduler import SchedulerSide, StepMeta
 from pdserve.kvstore.connector_stats import PDServePromMetrics, PDServeStats
-from pdserve.kvstore.connector_worker import GroupCache, WorkerIO
+from pdserve.kvstore.connector_worker import IDLE_WAIT_S, GroupCache, WorkerIO
 from pdserve.kvstore.layout import KVGroupLayout, KVLayout
 
 if TYPE_CHECKING:
@@ -183,7 +183,8 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         results = KVConnectorTransferResults()
         if self.io is None:
             return results
-        for outcome in self.io.finished_loads():
+        idle = self.has_connector_metadata() and getattr(self._get_connector_metadata(), "idle", False)
+        for outcome in self.io.finished_loads(IDLE_WAIT_S if idle else 0.0):
             results.finished_recving.add(outcome.req_id)
             if outcome.ok:
                 continue

@@ -33,6 +33,7 @@ class StepMeta(KVConnectorMetadata):
 
     loads: list[TransferJob] = field(default_factory=list)
     saves: list[TransferJob] = field(default_factory=list)
+    idle: bool = False  # no tokens run this step: the worker may wait for loads in flight
 
 
 @dataclass
@@ -198,7 +199,7 @@ class SchedulerSide:
         return TransferJob(req_id, objects, tail_id)
 
     def build_meta(self, scheduler_output: Any) -> StepMeta:
-        meta = StepMeta(loads=self.pending_loads)
+        meta = StepMeta(loads=self.pending_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self.pending_loads = []
         if not self.saves:
             return meta

@@ -29,6 +29,12 @@ log = logging.getLogger("pdserve.connector")
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 LOAD_POLL_S = 0.02
+# How long an idle step (nothing scheduled, loads in flight) may wait for a load to finish.
+# vLLM steps without pause while a request waits for its KV; each empty step holds the
+# GIL, starving the load thread (measured: a 3 ms fetch took 20-130 ms to be reported,
+# 7-84 empty steps later). Waiting on the outcome queue hands the CPU to the load and
+# reports it the moment it lands; the bound keeps a new arrival's wait short.
+IDLE_WAIT_S = 0.01
 NULL_BLOCK = 0
 
 
@@ -39,6 +45,15 @@ def _paged_ops() -> tuple[Callable, Callable] | None:
     except ImportError:
         return None
     return paged.gather, paged.scatter
+
+
+def _copy_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[idx] = src for byte rows, as 8-byte words where both line up: torch copies uint8
+    rows element by element, int64 rows a word at a time (measured: 25x faster for a
+    16-block object)."""
+    if src.shape[-1] % 8 == 0 and all(t.stride(-1) == 1 and t.data_ptr() % 8 == 0 for t in (dst, src)):
+        dst, src = dst.view(torch.int64), src.view(torch.int64)
+    dst.index_copy_(0, idx, src)
 
 
 class GroupCache:
@@ -85,12 +100,14 @@ class GroupCache:
         if not keep:
             return
         idx = torch.tensor([block_ids[i] for i in keep], dtype=torch.long, device=self.device)
-        src = src[:, keep].to(self.device, non_blocking=False)
+        # a plain run of blocks (the usual case) is a view; only holes make a copy
+        src = src[:, skip:] if len(keep) == len(block_ids) - skip else src[:, keep]
+        src = src.to(self.device, non_blocking=False)
         if self._ops is not None:
             self._ops[1](src.contiguous(), [v.unsqueeze(1) for v in self.views], idx)
             return
         for layer, view in enumerate(self.views):
-            view.index_copy_(0, idx, src[layer])
+            _copy_rows(view, idx, src[layer])
 
 
 def _targets(spec: ObjectSpec) -> list[int]:
@@ -125,6 +142,7 @@ class WorkerIO:
         self._done: queue.Queue[LoadOutcome] = queue.Queue()
         self.stats = StatsCounter()
         self._staging: torch.Tensor | None = None  # owned by the load thread
+        self._in_flight = 0  # loads handed to the load thread and not yet reported
         self._threads = [
             threading.Thread(target=self._save_loop, name="pdserve-save", daemon=True),
             threading.Thread(target=self._load_loop, name="pdserve-load", daemon=True),
@@ -170,14 +188,22 @@ class WorkerIO:
 
     # loads ----------------------------------------------------------------
     def load(self, job: TransferJob) -> None:
+        self._in_flight += 1
         self._loads.put(job)
 
-    def finished_loads(self) -> list[LoadOutcome]:
+    def finished_loads(self, wait_s: float = 0.0) -> list[LoadOutcome]:
+        """Loads done since the last call; with `wait_s`, wait that long for one when some are in flight."""
         out = []
+        if wait_s > 0 and self._in_flight:
+            try:
+                out.append(self._done.get(timeout=wait_s))
+            except queue.Empty:
+                pass
         while True:
             try:
                 out.append(self._done.get_nowait())
             except queue.Empty:
+                self._in_flight -= len(out)
                 return out
 
     def _load_loop(self) -> None:

@@ -1,0 +1,43 @@
+"""GroupCache: the connector's gather/scatter between vLLM's paged KV cache and store objects (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kvstore.connector_plan import UNALLOCATED
+from pdserve.kvstore.connector_worker import GroupCache
+
+
+def _cache(row_bytes: int, num_blocks: int = 12, layers: int = 3) -> list[torch.Tensor]:
+    # block-major like vLLM's caches; bf16 rows of row_bytes bytes
+    return [torch.randn(num_blocks, row_bytes // 2).to(torch.bfloat16) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("row_bytes", [4608, 6], ids=["word-rows", "byte-rows"])
+@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "misaligned"])
+def test_gather_then_scatter_restores_blocks(row_bytes: int, offset: int) -> None:
+    src = GroupCache(_cache(row_bytes))
+    dst_layers = [torch.zeros_like(t) for t in src.views]
+    dst = GroupCache([t.view(torch.bfloat16) for t in dst_layers])
+    blocks = [5, 2, 9, 7]
+    obj = src.gather(blocks).numpy().tobytes()
+    assert len(obj) == src.object_bytes(len(blocks))
+    buf = bytearray(offset + len(obj))  # a payload need not start on a word boundary
+    buf[offset:] = obj
+    dst.scatter(memoryview(buf)[offset:], blocks, skip=0)
+    for a, b in zip(src.views, dst.views):
+        assert torch.equal(a[blocks], b[blocks])
+        others = [i for i in range(a.shape[0]) if i not in blocks]
+        assert not b[others].any()
+
+
+def test_scatter_skips_leading_blocks_and_holes() -> None:
+    src = GroupCache(_cache(4608))
+    dst = GroupCache([torch.zeros_like(t).view(torch.bfloat16) for t in src.views])
+    blocks = [1, 4, 6, 8]
+    obj = memoryview(src.gather(blocks).numpy().tobytes())
+    dst.scatter(obj, [1, 4, UNALLOCATED, 8], skip=1)  # block 1 kept as is, a hole where 6 was
+    for a, b in zip(src.views, dst.views):
+        assert not b[1].any() and not b[6].any()
+        assert torch.equal(a[[4, 8]], b[[4, 8]])
