@@ -204,9 +204,41 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, base_url: st
     return result
 
 
+_ROUTER_SERIES = {"handoff": "pdserve_router_handoff_seconds", "router_overhead": "pdserve_router_overhead_seconds"}
+
+
+async def router_totals(client: httpx.AsyncClient, base_url: str) -> dict[str, tuple[float, float]] | None:
+    """(sum, count) of the router's own handoff and overhead histograms; None when base_url is no pdserve router."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        resp = await client.get(f"{base_url}/metrics")
+    except httpx.HTTPError:
+        return None
+    if resp.status_code != 200 or "pdserve_router_" not in resp.text:
+        return None
+    samples = {s.name: s.value for fam in text_string_to_metric_families(resp.text) for s in fam.samples}
+    return {key: (samples.get(f"{name}_sum", 0.0), samples.get(f"{name}_count", 0.0))
+            for key, name in _ROUTER_SERIES.items()}
+
+
+def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
+    """Mean ms per request over a run, from the router's histograms: the handoff measured where it
+    happens (prefill response to first decode token), free of the prefill-time noise in a TTFT difference."""
+    if before is None or after is None:
+        return {}
+    out = {}
+    for key in _ROUTER_SERIES:
+        total, count = (a - b for a, b in zip(after[key], before[key]))
+        if count > 0:
+            out[f"{key}_mean_ms"] = 1000.0 * total / count
+    return out
+
+
 async def run_load(cfg: BenchConfig, base_url: str, model: str, prompts: list[str], warmup: list[str],
-                   concurrency: int | None, label: str) -> tuple[list[RequestResult], float]:
-    """Warm up, then send every prompt at the configured rate and concurrency."""
+                   concurrency: int | None, label: str) -> tuple[list[RequestResult], float, dict[str, float]]:
+    """Warm up, then send every prompt at the configured rate and concurrency; also the router's own
+    figures over the run (`router_means`) when base_url is a pdserve router."""
     limits = httpx.Limits(max_connections=concurrency or len(prompts), max_keepalive_connections=concurrency or 100)
     async with httpx.AsyncClient(limits=limits, timeout=cfg.request_timeout) as client:
         for prompt in warmup:
@@ -226,6 +258,7 @@ async def run_load(cfg: BenchConfig, base_url: str, model: str, prompts: list[st
             bar.update(1)
             return result
 
+        before = await router_totals(client, base_url)
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
@@ -235,7 +268,8 @@ async def run_load(cfg: BenchConfig, base_url: str, model: str, prompts: list[st
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
-    return list(results), duration
+        router = router_means(before, await router_totals(client, base_url))
+    return list(results), duration, router
 
 
 # ------------------------------------------------------------------ metrics
@@ -311,6 +345,9 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "router_overhead_p50_ms": coloc_ttft - direct_ttft,
             "pd_tpot_p50_ms": pd["tpot_ms"]["p50"],
             "colocated_tpot_p50_ms": coloc["tpot_ms"]["p50"],
+            "router_handoff_mean_ms": pd.get("router", {}).get("handoff_mean_ms", math.nan),
+            "router_own_mean_ms": coloc.get("router", {}).get("router_overhead_mean_ms", math.nan),
+            "router_own_pd_mean_ms": pd.get("router", {}).get("router_overhead_mean_ms", math.nan),
         })
     return rows
 
@@ -364,6 +401,9 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
         print(f"concurrency {row['max_concurrency'] or 'inf'}: handoff overhead (P/D - colocated TTFT p50) "
               f"{row['handoff_overhead_p50_ms']:.1f} ms (x{row['handoff_ttft_ratio']:.2f}); "
               f"router overhead {row['router_overhead_p50_ms']:.2f} ms")
+        print(f"  as the router measures it (mean): handoff {row['router_handoff_mean_ms']:.1f} ms "
+              f"(prefill response to first decode token); router's own time "
+              f"{row['router_own_mean_ms']:.2f} ms colocated, {row['router_own_pd_mean_ms']:.2f} ms P/D")
 
 
 def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
@@ -398,9 +438,12 @@ async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: P
         prompts = PromptSource(load_tokenizer(name), cfg.input_len, cfg.seed)
     runs = []
     for conc in cfg.max_concurrency if levels is None else levels:
-        results, duration = await run_load(cfg, base_url, model, prompts.take(cfg.num_prompts),
-                                           prompts.take(cfg.num_warmups), conc, f"{label} c={conc or 'inf'}")
-        runs.append(Run(label, base_url, conc, summarize(results, duration, cfg.goodput), results))
+        results, duration, router = await run_load(cfg, base_url, model, prompts.take(cfg.num_prompts),
+                                                   prompts.take(cfg.num_warmups), conc, f"{label} c={conc or 'inf'}")
+        metrics = summarize(results, duration, cfg.goodput)
+        if router:
+            metrics["router"] = router
+        runs.append(Run(label, base_url, conc, metrics, results))
     return runs
 
 

@@ -44,6 +44,13 @@ class RouterMetrics:
             buckets=_BUCKETS,
             registry=r,
         )
+        self.overhead = Histogram(
+            "pdserve_router_overhead_seconds",
+            "The router's own time on a streamed request's way to its first token: before the first "
+            "upstream call, between the legs, and relaying the first token (worker time excluded)",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r,
+        )
         self.retries = Counter("pdserve_router_retries", "Legs retried on another worker", ["leg"], registry=r)
         self.queue_depth = Gauge(
             "pdserve_router_queue_depth", "Requests waiting for a free worker", ["role"], registry=r

@@ -66,6 +66,7 @@ class Call:
     body: dict[str, Any]
     request_id: str
     t0: float = field(default_factory=time.perf_counter)
+    t_first_call: float | None = None  # when the router first called a worker for this request
     kv_params: dict[str, Any] | None = None  # from the prefill response: owns a store tail until decode ends
     finished: bool = False  # the decode leg completed (its worker consumed the tail)
 
@@ -271,6 +272,7 @@ class PDFlow:
             tried.add(lease.worker.id)
             with lease:
                 t = time.perf_counter()
+                call.t_first_call = call.t_first_call or t
                 try:
                     async with self.http.post(
                         lease.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.prefill_timeout
@@ -323,6 +325,7 @@ class PDFlow:
                 raise last if (last is not None and exc.status == 503) else exc
             tried.add(lease.worker.id)
             t = time.perf_counter()
+            call.t_first_call = call.t_first_call or t
             try:
                 resp = await self.http.post(
                     lease.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.decode_timeout
@@ -388,8 +391,8 @@ class PDFlow:
                         pending += chunk
                         if _has_token(pending):
                             first, t_last = True, now
-                            self._observe_first_token(call, leg, now)
-                            yield pending
+                            yield pending  # resumes once the server has sent it on
+                            self._observe_first_token(call, leg, now, time.perf_counter() - now)
                     if pending and not first:
                         yield pending  # a stream without any token (e.g. max_tokens=0): relay as is
                     leg.lease.release(True)
@@ -425,11 +428,14 @@ class PDFlow:
             self.metrics.requests.labels(call.route, outcome).inc()
             self._end(call)
 
-    def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float) -> None:
+    def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float, relay_s: float) -> None:
         self.metrics.ttft.labels(call.route).observe(now - call.t0)
         self.metrics.leg.labels("decode").observe(now - leg.t_sent)
+        own = (call.t_first_call or leg.t_sent) - call.t0 + relay_s
         if leg.t_prefill_done is not None:
             self.metrics.handoff.observe(now - leg.t_prefill_done)
+            own += leg.t_sent - leg.t_prefill_done
+        self.metrics.overhead.observe(own)
 
     # ------------------------------------------------------------ cleanup
 

@@ -17,7 +17,7 @@ import matplotlib.image
 import pytest
 
 from pdserve.router.bench_serve import (PromptSource, RequestResult, Run, comparison, config_from_args, load_tokenizer,
-                                       main, summarize)
+                                       main, router_means, summarize)
 
 if TYPE_CHECKING:
     from pdstack_fixtures import UpStack
@@ -49,6 +49,14 @@ def test_comparison_gives_handoff_and_router_overhead() -> None:
     assert row["handoff_overhead_p50_ms"] == pytest.approx(30.0)
     assert row["handoff_ttft_ratio"] == pytest.approx(1.3)
     assert row["router_overhead_p50_ms"] == pytest.approx(0.5)
+
+
+def test_router_means_are_per_request_over_the_run() -> None:
+    before = {"handoff": (1.0, 10.0), "router_overhead": (0.01, 10.0)}
+    after = {"handoff": (1.2, 14.0), "router_overhead": (0.014, 14.0)}
+    assert router_means(before, after) == pytest.approx({"handoff_mean_ms": 50.0, "router_overhead_mean_ms": 1.0})
+    assert router_means(None, after) == {}  # not a pdserve router
+    assert router_means(after, after) == {}  # nothing was measured in between
 
 
 def test_prompts_have_the_exact_token_count_and_never_repeat(tiny_deepseek_v3: Path) -> None:
@@ -103,6 +111,8 @@ def test_bench_through_router_two_concurrency_levels(up_stack: UpStack, tmp_path
             assert all(math.isfinite(v) and v > 0 for v in m[key].values()), (key, m[key])
         assert m["ttft_ms"]["p50"] <= m["ttft_ms"]["p99"] <= m["e2el_ms"]["p99"]
         assert m["goodput"]["fraction"] == 1.0 and m["request_throughput"] > 0
+        # prompts above the P/D threshold: the router reports the handoff and its own time
+        assert m["router"]["handoff_mean_ms"] > 0 and m["router"]["router_overhead_mean_ms"] > 0
 
 
 @pytest.mark.engine
@@ -110,4 +120,5 @@ def test_bench_straight_at_a_vllm_worker(up_stack: UpStack, tmp_path: Path) -> N
     doc = _bench(tmp_path, up_stack.decode_url, "--max-concurrency", "2", "--request-rate", "50")
     [run] = doc["runs"]
     assert run["base_url"] == up_stack.decode_url and run["metrics"]["completed"] == 4
+    assert "router" not in run["metrics"]  # a vLLM worker has no router figures
     assert run["metrics"]["mean_input_tokens"] == 300

@@ -198,6 +198,7 @@ def test_health_ready_and_metrics(pd_stack: Stack, router: Proc) -> None:
     assert ready["ready"] is True and ready["decode"]["healthy"] == 1 and ready["prefill"]["healthy"] == 1
     ok_before = metric(router.url, "pdserve_router_requests_total", {"route": "completions", "status": "200"})
     handoffs_before = metric(router.url, "pdserve_router_handoff_seconds_count")
+    own_before = metric(router.url, "pdserve_router_overhead_seconds_count")
     list(_client(router.url).completions.create(model=pd_stack.model, prompt="m e t", max_tokens=2, stream=True))
     httpx.post(router.url + "/v1/completions", content=b"[]", headers={"Authorization": f"Bearer {API_KEY}"})
     text = urllib.request.urlopen(router.url + "/metrics", timeout=10).read().decode()
@@ -208,6 +209,9 @@ def test_health_ready_and_metrics(pd_stack: Stack, router: Proc) -> None:
     assert metric(router.url, "pdserve_router_requests_total", {"route": "completions", "status": "200"}) == ok_before + 1
     assert metric(router.url, "pdserve_router_requests_total", {"route": "completions", "status": "400"}) >= 1
     assert metric(router.url, "pdserve_router_handoff_seconds_count") == handoffs_before + 1
+    # the router's own time is counted once per streamed request, and is a sliver of its TTFT
+    assert metric(router.url, "pdserve_router_overhead_seconds_count") == own_before + 1
+    assert 0 < metric(router.url, "pdserve_router_overhead_seconds_sum") < metric(router.url, "pdserve_router_ttft_seconds_sum")
     assert metric(router.url, "pdserve_router_worker_healthy", {"role": "decode"}) == 1
 
 
