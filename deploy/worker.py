@@ -63,6 +63,7 @@ class WorkerConfig:
     role: Role
     model: str
     kvstore_url: str | None
+    kvstore_auth_token: str | None
     redis_url: str | None
     host: str
     port: int
@@ -100,7 +101,10 @@ class WorkerConfig:
         return {
             "kv_connector": CONNECTOR_NAME,
             "kv_role": KV_ROLES[self.role],
-            "kv_connector_extra_config": {"kvstore_url": self.kvstore_url},
+            "kv_connector_extra_config": {
+                "kvstore_url": self.kvstore_url,
+                **({"auth_token": self.kvstore_auth_token} if self.kvstore_auth_token else {}),
+            },
         }
 
     def vllm_argv(self) -> list[str]:
@@ -127,6 +131,8 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help="model path or name, as for `vllm serve`")
     parser.add_argument("--kvstore-url", default=None, help="KV store address, e.g. tcp://127.0.0.1:5556")
+    parser.add_argument("--kvstore-auth-token", default=os.environ.get("PDSERVE_KVSTORE_TOKEN"),
+                        help="the store's --auth-token (default: $PDSERVE_KVSTORE_TOKEN)")
     parser.add_argument("--redis-url", default=None, help="register here for discovery, e.g. redis://host:6379/0")
     parser.add_argument("--host", default="127.0.0.1", help="bind address of the vLLM server")
     parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="port of the vLLM server")
@@ -158,6 +164,7 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
         role=role,
         model=args.model,
         kvstore_url=args.kvstore_url,
+        kvstore_auth_token=args.kvstore_auth_token or None,
         redis_url=args.redis_url,
         host=args.host,
         port=args.port,

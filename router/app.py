@@ -52,7 +52,7 @@ class Router:
         self.worker_headers = {"Content-Type": "application/json"}
         if cfg.api_key:
             self.worker_headers["Authorization"] = f"Bearer {cfg.api_key}"
-        self.store = StoreView()
+        self.store = StoreView(cfg.kvstore_auth_token)
         self.watcher = (
             MembershipWatcher(cfg.redis_url, self._on_membership, model=cfg.model) if cfg.redis_url else None
         )

@@ -32,7 +32,8 @@ class StoreLayout(msgspec.Struct, frozen=True):
 
 
 class StoreView:
-    def __init__(self) -> None:
+    def __init__(self, auth_token: str | None = None) -> None:
+        self.auth_token = auth_token
         self.layouts: dict[str, StoreLayout] = {}
         self._clients: dict[str, AsyncKVStoreClient] = {}
 
@@ -43,7 +44,9 @@ class StoreView:
             from pdserve.kvstore.client import AsyncKVStoreClient
 
             # Lookups and tail drops carry no payload, so no shared-memory arena is mapped.
-            client = self._clients[url] = AsyncKVStoreClient(url, timeout_s=STORE_CALL_TIMEOUT_S, shm=False)
+            client = self._clients[url] = AsyncKVStoreClient(
+                url, auth_token=self.auth_token, timeout_s=STORE_CALL_TIMEOUT_S, shm=False
+            )
         return client
 
     def learn(self, params: dict[str, Any]) -> str | None:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from unittest import mock
 from typing import Any
 
 import pytest
@@ -95,9 +96,15 @@ def flag(argv: list[str], name: str) -> str:
     return value
 
 
+def service_env(svc: dict[str, Any]) -> Any:
+    """The service's environment in place of ours while its command is parsed (flags default from it)."""
+    return mock.patch.dict(os.environ, {k: str(v) for k, v in (svc.get("environment") or {}).items()})
+
+
 def worker_config(svc: dict[str, Any]) -> WorkerConfig:
     role, *rest = svc["command"]
-    return config_from_args(role, rest)
+    with service_env(svc):
+        return config_from_args(role, rest)
 
 
 def host_path(svc: dict[str, Any], container_path: str) -> Path:
@@ -187,8 +194,10 @@ def test_every_service_command_parses_with_pdserve_cli(services: dict) -> None:
             cfg = kvstore_config(kvstore_parser().parse_args(rest))  # validate(): token for a public bind
             assert cfg.auth_token == TOKEN and cfg.host == "0.0.0.0"
         elif module == "pdserve.router.app":
-            cfg = router_config(rest)
+            with service_env(svc):
+                cfg = router_config(rest)
             assert cfg.redis_url == "redis://redis:6379/0" and cfg.port == 8000
+            assert cfg.kvstore_auth_token == TOKEN  # for its prefix lookups and tail drops
         elif module == "pdserve.deploy.tiny_model":
             from pdserve.deploy.tiny_model import build_parser
 
@@ -210,7 +219,7 @@ def test_engine_flags_parse_with_vllm_and_reach_the_right_store(services: dict, 
         cfg = worker_config(svc)
         args = vllm_parser.parse_args(["--model", cfg.model, *engine_args(svc)])  # SystemExit on an unknown flag
         validate_parsed_serve_args(args)
-        ktc = json.loads(flag(svc["command"], "--kv-transfer-config"))
+        ktc = json.loads(flag(cfg.vllm_argv(), "--kv-transfer-config"))
         assert ktc["kv_connector"] == "PDServeConnector" and ktc["kv_role"] == roles[cfg.role], name
         store_name = "kvstore-cpu" if name.endswith("-cpu") else "kvstore"
         store = services[store_name]["command"]
