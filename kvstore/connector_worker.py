@@ -28,7 +28,9 @@ log = logging.getLogger("pdserve.connector")
 # Loaded payloads are read-only views over received frames; torch only reads them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-LOAD_POLL_S = 0.02
+# A decode leg can arrive while its producer is still uploading: poll the store soon after
+# (the upload is usually a few ms behind the prefill response), then back off.
+LOAD_POLL_S = (0.001, 0.002, 0.005, 0.01, 0.02)
 # How long an idle step (nothing scheduled, loads in flight) may wait for a load to finish.
 # vLLM steps without pause while a request waits for its KV; each empty step holds the
 # GIL, starving the load thread (measured: a 3 ms fetch took 20-130 ms to be reported,
@@ -236,6 +238,7 @@ class WorkerIO:
         # ends). TCP: the received frames are private already; scatter straight from them.
         client.info()  # maps the store's arena when it is on this host
         dest = self._staging_views(job) if client.uses_shm else None
+        polls = 0
         while True:
             missing = [i for i in chunk_idx if got[i] is None]
             if missing:
@@ -251,7 +254,8 @@ class WorkerIO:
                         got[i] = tail.get(job.objects[i].group)
             if (all(got[i] is not None for i in chunk_idx) and not tail_pending) or time.monotonic() >= deadline:
                 return got
-            time.sleep(LOAD_POLL_S)
+            time.sleep(LOAD_POLL_S[min(polls, len(LOAD_POLL_S) - 1)])
+            polls += 1
 
     def _staging_views(self, job: TransferJob) -> list:
         """One reused host buffer for a job's chunks: the store copies straight into it."""

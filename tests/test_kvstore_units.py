@@ -10,6 +10,7 @@ import pytest
 from kvstore_fixtures import LAYOUT
 
 from pdserve.kvstore import protocol as p
+from pdserve.kvstore import checksum as checksum_module
 from pdserve.kvstore.checksum import checksum, copy_all
 from pdserve.kvstore.config import KVStoreConfig, build_parser, from_args
 from pdserve.kvstore.keys import chunk_keys
@@ -107,7 +108,9 @@ def test_chunk_keys_prefix_property() -> None:
 # ------------------------------------------------------------------ checksum
 
 
-def test_copy_all_copies_and_hashes_small_and_large() -> None:
+@pytest.mark.parametrize("on_helper", [True, False], ids=["hash-on-helper", "one-thread"])
+def test_copy_all_copies_and_hashes_small_and_large(on_helper: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checksum_module, "HASH_ON_HELPER", on_helper)  # both ways, whatever this machine picks
     for size in (10, 3 << 20, (3 << 20) + 5):  # the last ends in a partial block
         srcs = [memoryview(os.urandom(size)) for _ in range(3)]
         dsts = [memoryview(bytearray(size)) for _ in range(3)]
