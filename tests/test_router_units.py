@@ -230,7 +230,8 @@ async def test_store_view_degrades_when_the_store_is_down() -> None:
     await view.close()
 
 
-async def test_store_view_counts_stored_prefix_tokens() -> None:
+@pytest.mark.parametrize("token", [None, "s3cret"], ids=["open", "auth"])
+async def test_store_view_counts_stored_prefix_tokens(token: str | None) -> None:
     """Against a real store: chunks put under the connector's keys are found as a token count."""
     from kvstore_fixtures import LAYOUT, start_kvstore
 
@@ -238,18 +239,24 @@ async def test_store_view_counts_stored_prefix_tokens() -> None:
     from pdserve.kvstore.keys import chunk_keys
     from pdserve.router.store import StoreView
 
-    store = start_kvstore()
+    store = start_kvstore(*(["--auth-token", token] if token else []))
     try:
-        async with AsyncKVStoreClient(store.url, shm=False) as client:
+        async with AsyncKVStoreClient(store.url, auth_token=token, shm=False) as client:
             ns = await client.register_layout(LAYOUT)
             tokens = list(range(40))
             keys = chunk_keys(ns, tokens, 16)
             await client.put(ns, [(0, keys[0], b"x" * 64), (0, keys[1], b"y" * 64)])
-        view = StoreView()
-        view.learn({"kvstore_url": store.url, "namespace": ns, "chunk_size": 16})
+        params = {"kvstore_url": store.url, "namespace": ns, "chunk_size": 16}
+        view = StoreView(token)
+        view.learn(params)
         assert await view.prefix_tokens(tokens, None) == {store.url: 32}
         assert await view.prefix_tokens([7] + tokens[1:], None) == {store.url: 0}  # first chunk differs
         await view.close()
+        if token:  # without the token the store refuses, which costs only the hint
+            tokenless = StoreView()
+            tokenless.learn(params)
+            assert await tokenless.prefix_tokens(tokens, None) == {store.url: 0}
+            await tokenless.close()
     finally:
         store.stop()
 
