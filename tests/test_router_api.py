@@ -206,6 +206,9 @@ def test_health_ready_and_metrics(pd_stack: Stack, router: Proc) -> None:
                  "pdserve_router_leg_seconds", "pdserve_router_handoff_seconds", "pdserve_router_queue_depth",
                  "pdserve_router_worker_healthy"):
         assert name in text
+    # the router counts a stream once its relay has ended, which may be a moment after the client saw [DONE]
+    wait_until(lambda: metric(router.url, "pdserve_router_requests_total",
+                              {"route": "completions", "status": "200"}) > ok_before, what="the stream to be counted")
     assert metric(router.url, "pdserve_router_requests_total", {"route": "completions", "status": "200"}) == ok_before + 1
     assert metric(router.url, "pdserve_router_requests_total", {"route": "completions", "status": "400"}) >= 1
     assert metric(router.url, "pdserve_router_handoff_seconds_count") == handoffs_before + 1
