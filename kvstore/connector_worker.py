@@ -182,8 +182,11 @@ class WorkerIO:
                 if tail and job.tail_id:
                     client.put_tail(self.namespace, job.tail_id, tail)
                 self.stats.add(saved_bytes=sum(b.numel() for b in buffers))
-            except KVStoreError as exc:
-                log.warning("save of %s failed: %s", job.req_id, exc)
+            except Exception as exc:  # a lost save costs a later recompute; a dead save thread would cost every save
+                if isinstance(exc, KVStoreError):
+                    log.warning("save of %s failed: %s", job.req_id, exc)
+                else:
+                    log.exception("save of %s failed unexpectedly", job.req_id)
                 if client is not None:
                     client.close()
                 client = None
@@ -218,8 +221,11 @@ class WorkerIO:
                     args = self.client_args if job.store_url is None else {**self.client_args, "url": job.store_url}
                     clients[job.store_url] = KVStoreClient(**args)
                 outcome = self._load_one(clients[job.store_url], job)
-            except KVStoreError as exc:
-                log.warning("load of %s failed, vLLM recomputes it: %s", job.req_id, exc)
+            except Exception as exc:  # whatever fails, the request is recomputed; it must never wait forever
+                if isinstance(exc, KVStoreError):
+                    log.warning("load of %s failed, vLLM recomputes it: %s", job.req_id, exc)
+                else:
+                    log.exception("load of %s failed unexpectedly, vLLM recomputes it", job.req_id)
                 stale = clients.pop(job.store_url, None)
                 if stale is not None:
                     stale.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from typing import Any
 
 import aiohttp
@@ -43,6 +44,7 @@ class PromptTokens:
         self.headers = headers
         self.tokenizer_path = tokenizer_path
         self._loading: dict[str, asyncio.Task] = {}
+        self._encode_lock = threading.Lock()
 
     def _path_for(self, model: str | None) -> str | None:
         if self.tokenizer_path:
@@ -86,10 +88,16 @@ class PromptTokens:
         tok = self._local(body.get("model"))
         if tok is not None:
             try:
-                return self._encode_locally(tok, route, body)
+                # off the event loop: a 2k-token prompt takes milliseconds that other streams' relays need
+                return await asyncio.to_thread(self._encode_serially, tok, route, body)
             except Exception as exc:  # a template may reject fields; the worker's /tokenize then decides
                 log.debug("local tokenization failed, asking the worker: %s", exc)
         return await self._remote(route, body, worker_url)
+
+    def _encode_serially(self, tok: Any, route: Route, body: dict[str, Any]) -> list[int]:
+        # a fast tokenizer used from two threads at once can fail with "Already borrowed"
+        with self._encode_lock:
+            return self._encode_locally(tok, route, body)
 
     @staticmethod
     def _encode_locally(tok: Any, route: Route, body: dict[str, Any]) -> list[int]:

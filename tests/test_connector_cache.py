@@ -41,3 +41,38 @@ def test_scatter_skips_leading_blocks_and_holes() -> None:
     for a, b in zip(src.views, dst.views):
         assert not b[1].any() and not b[6].any()
         assert torch.equal(a[[4, 8]], b[[4, 8]])
+
+
+def test_a_load_that_breaks_is_reported_failed_not_lost() -> None:
+    """A scatter that raises (here: a block id past the cache) ends as a failed load, so vLLM recomputes
+    instead of waiting forever; the load thread lives on and serves the next job."""
+    from kvstore_fixtures import LAYOUT, start_kvstore
+
+    from pdserve.kvstore.client import KVStoreClient
+    from pdserve.kvstore.connector_plan import ObjectSpec, TransferJob
+    from pdserve.kvstore.connector_worker import WorkerIO
+
+    store = start_kvstore()
+    try:
+        cache = GroupCache(_cache(4608, num_blocks=8))
+        with KVStoreClient(store.url) as client:
+            ns = client.register_layout(LAYOUT)
+            client.put(ns, [(0, b"k" * 16, cache.gather([1, 2]).numpy())])
+        io = WorkerIO({"url": store.url}, ns, [cache], writes=False)
+        try:
+            io.load(TransferJob("bad", [ObjectSpec(0, b"k" * 16, [1, 99])]))
+            io.load(TransferJob("good", [ObjectSpec(0, b"k" * 16, [3, 4])]))
+            done: list = []
+            for _ in range(600):  # up to a minute: both outcomes must come back
+                done += io.finished_loads(wait_s=0.1)
+                if len(done) == 2:
+                    break
+            outcomes = {o.req_id: o for o in done}
+            assert not outcomes["bad"].ok and outcomes["bad"].failed_block_ids == {1, 99}
+            assert outcomes["good"].ok
+            for view in cache.views:
+                assert torch.equal(view[[3, 4]], view[[1, 2]])
+        finally:
+            io.close()
+    finally:
+        store.stop()
