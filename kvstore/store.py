@@ -85,7 +85,25 @@ class Store:
         return self.l1.capacity
 
     def close(self) -> None:
+        """Stop. With L2, what L1 holds is written to disk first, so a clean restart keeps the whole
+        cache, not only what was evicted (each file is atomic: a stop cut short loses no file)."""
+        if self.l2 is not None:
+            self._flush_l1()
         self.arena.close()
+
+    def _flush_l1(self) -> None:
+        assert self.l2 is not None
+        chunks = list(self.l1.index.items())  # least recent first, so L2 keeps the most recent if full
+        if chunks:
+            log.info("writing %d L1 objects (%.2f GiB) to L2 before exit", len(chunks),
+                     sum(obj.size for _, obj in chunks) / 2**30)
+        for cid, obj in chunks:
+            try:
+                self.l2.write(cid, self.l1.view(obj), obj.checksum)
+            except OSError as exc:
+                log.warning("L2 write failed at exit, the rest of L1 is dropped: %s", exc)
+                self.metrics.errors.labels("l2_write").inc()
+                return
 
     # ------------------------------------------------------------ namespaces
 
