@@ -23,30 +23,65 @@ def _nan_free_abs_bits(bf16_bits):
 
 
 @triton.jit
+def _token_block(num_tokens, BLOCK_T: tl.constexpr):
+    """This program's token indices (int64, for byte offsets past 2 GiB) and which are in range."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return t.to(tl.int64), t < num_tokens
+
+
+@triton.jit
+def _copy_rows(src, dst, t_ok, N: tl.constexpr):
+    """Copy N elements per token: src and dst are [T, 1] pointers to each token's first one."""
+    r = tl.arange(0, N)[None, :]
+    tl.store(dst + r, tl.load(src + r, mask=t_ok[:, None]), mask=t_ok[:, None])
+
+
+@triton.jit
+def _v32_scale_bits(amax_bits):
+    """A V3.2 group's scale from its amax bits: amax / 448, floored at FLT_MIN; (bits, value)."""
+    scale = tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), 448.0)
+    scale_bits = scale.to(tl.int32, bitcast=True)
+    scale_bits = tl.where(scale_bits < 0x00800000, 0x00800000, scale_bits)  # max(., FLT_MIN)
+    return scale_bits, scale_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _v4_scale(amax_bits):
+    """(scale byte, 2^-e) from a V4 group's amax bits: amax floored at 1e-4 (float32 bits
+    0x38D1B717), e = ceil(log2(amax / 448)) exactly: amax = m * 2^E, and amax <= 1.75 * 2^(E' + 8)
+    holds for E' = E - 8 exactly when m <= 1.75 (mantissa bits <= 0x600000)."""
+    amax = tl.maximum(amax_bits, 0x38D1B717)
+    exp = (amax >> 23) - 127 - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
+    is_inf = amax == 0x7F800000
+    scale_byte = tl.where(is_inf, 255, exp + 127)
+    inv_scale = tl.where(is_inf, 0, (127 - exp) << 23).to(tl.float32, bitcast=True)
+    return scale_byte, inv_scale
+
+
+@triton.jit
+def _store_v4_scale_row(pages_u8_ptr, scales, g, scale_byte, t_ok):
+    """A token's 8-byte scale row: 7 scale bytes and a zero pad byte."""
+    scale_byte = tl.where((g < 7)[None, :], scale_byte, 0)
+    tl.store(pages_u8_ptr + scales[:, None] + g[None, :], scale_byte.to(tl.uint8), mask=t_ok[:, None])
+
+
+@triton.jit
 def encode_v32_kernel(
     lat_ptr, rope_ptr, rows_u8_ptr, rows_i32_ptr, rows_i16_ptr,
     num_tokens, lat_stride, rope_stride,
     BLOCK_T: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """[T,512] + [T,64] bf16 -> [T,656] rows: 512 e4m3, 4 fp32 scales, 64 bf16."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t = t.to(tl.int64)
+    t, t_ok = _token_block(num_tokens, BLOCK_T)
     g = tl.arange(0, 4)
     col = g[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
     m3 = t_ok[:, None, None]
     xb = tl.load(lat_ptr + t[:, None, None] * lat_stride + col, mask=m3, other=0)
-    amax_bits = tl.max(_nan_free_abs_bits(xb), axis=2) << 16
-    scale = tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), 448.0)
-    scale_bits = scale.to(tl.int32, bitcast=True)
-    scale_bits = tl.where(scale_bits < 0x00800000, 0x00800000, scale_bits)  # max(., FLT_MIN)
-    scale = scale_bits.to(tl.float32, bitcast=True)
+    scale_bits, scale = _v32_scale_bits(tl.max(_nan_free_abs_bits(xb), axis=2) << 16)
     q = to_e4m3(tl.math.div_rn(bf16_bits_to_f32(xb), scale[:, :, None]), NATIVE)
     tl.store(rows_u8_ptr + t[:, None, None] * 656 + col, q.to(tl.uint8), mask=m3)
     tl.store(rows_i32_ptr + t[:, None] * 164 + 128 + g[None, :], scale_bits, mask=t_ok[:, None])
-    r = tl.arange(0, 64)
-    rb = tl.load(rope_ptr + t[:, None] * rope_stride + r[None, :], mask=t_ok[:, None])
-    tl.store(rows_i16_ptr + t[:, None] * 328 + 264 + r[None, :], rb, mask=t_ok[:, None])
+    _copy_rows(rope_ptr + t[:, None] * rope_stride, rows_i16_ptr + t[:, None] * 328 + 264, t_ok, 64)
 
 
 @triton.jit
@@ -56,9 +91,7 @@ def decode_v32_kernel(
     BLOCK_T: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """[T,656] rows -> [T,512] + [T,64] bf16 (contiguous outputs)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t = t.to(tl.int64)
+    t, t_ok = _token_block(num_tokens, BLOCK_T)
     g = tl.arange(0, 4)
     col = g[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
     m3 = t_ok[:, None, None]
@@ -67,9 +100,7 @@ def decode_v32_kernel(
     scale = scale_bits.to(tl.float32, bitcast=True)
     x = to_bf16(from_e4m3(q, NATIVE) * scale[:, :, None], NATIVE)
     tl.store(lat_ptr + t[:, None, None] * 512 + col, x.to(tl.int16), mask=m3)
-    r = tl.arange(0, 64)
-    rb = tl.load(rows_i16_ptr + t[:, None] * 328 + 264 + r[None, :], mask=t_ok[:, None])
-    tl.store(rope_ptr + t[:, None] * 64 + r[None, :], rb, mask=t_ok[:, None])
+    _copy_rows(rows_i16_ptr + t[:, None] * 328 + 264, rope_ptr + t[:, None] * 64, t_ok, 64)
 
 
 @triton.jit
@@ -89,29 +120,18 @@ def encode_v4_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """[T,448] + [T,64] bf16 -> DeepSeek-V4 pages (576-byte data rows, then 8-byte scale rows)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t = t.to(tl.int64)
+    t, t_ok = _token_block(num_tokens, BLOCK_T)
     g = tl.arange(0, 8)  # 7 groups of 64 and the pad byte; power-of-two shapes for Triton
     col = g[None, :, None] * 64 + tl.arange(0, 64)[None, None, :]
     m3 = t_ok[:, None, None] & (g < 7)[None, :, None]
     xb = tl.load(lat_ptr + t[:, None, None] * lat_stride + col, mask=m3, other=0)
-    # amax floored at 1e-4 (float32 bits 0x38D1B717); a max of non-negative float bits as ints.
-    amax = tl.maximum(tl.max(_nan_free_abs_bits(xb), axis=2) << 16, 0x38D1B717)
-    # e = ceil(log2(amax / 448)) exactly: amax = m * 2^E, and amax <= 1.75 * 2^(E' + 8) holds
-    # for E' = E - 8 exactly when m <= 1.75 (mantissa bits <= 0x600000).
-    exp = (amax >> 23) - 127 - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
-    is_inf = amax == 0x7F800000
-    scale_byte = tl.where(is_inf, 255, exp + 127)
-    inv_scale = tl.where(is_inf, 0, (127 - exp) << 23).to(tl.float32, bitcast=True)  # 2^-e
+    # a max of non-negative float bits as ints is the float max
+    scale_byte, inv_scale = _v4_scale(tl.max(_nan_free_abs_bits(xb), axis=2) << 16)
     q = to_e4m3(bf16_bits_to_f32(xb) * inv_scale[:, :, None], NATIVE)
     data, scales = _v4_offsets(t, page_stride, BLOCK_SIZE)
     tl.store(pages_u8_ptr + data[:, None, None] + col, q.to(tl.uint8), mask=m3)
-    scale_byte = tl.where((g < 7)[None, :], scale_byte, 0)
-    tl.store(pages_u8_ptr + scales[:, None] + g[None, :], scale_byte.to(tl.uint8), mask=t_ok[:, None])
-    r = tl.arange(0, 64)
-    rb = tl.load(rope_ptr + t[:, None] * rope_stride + r[None, :], mask=t_ok[:, None])
-    tl.store(pages_i16_ptr + (data[:, None] + 448) // 2 + r[None, :], rb, mask=t_ok[:, None])
+    _store_v4_scale_row(pages_u8_ptr, scales, g, scale_byte, t_ok)
+    _copy_rows(rope_ptr + t[:, None] * rope_stride, pages_i16_ptr + (data[:, None] + 448) // 2, t_ok, 64)
 
 
 @triton.jit
@@ -121,9 +141,7 @@ def decode_v4_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NATIVE: tl.constexpr,
 ):
     """DeepSeek-V4 pages -> [T,448] + [T,64] bf16 (contiguous outputs)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t = t.to(tl.int64)
+    t, t_ok = _token_block(num_tokens, BLOCK_T)
     g = tl.arange(0, 8)
     col = g[None, :, None] * 64 + tl.arange(0, 64)[None, None, :]
     g_ok = (g < 7)[None, :]
@@ -135,9 +153,7 @@ def decode_v4_kernel(
     scale = tl.where(sb == 0, 1 << 22, sb << 23).to(tl.float32, bitcast=True)  # 2^(sb - 127)
     x = to_bf16(from_e4m3(q, NATIVE) * scale[:, :, None], NATIVE)
     tl.store(lat_ptr + t[:, None, None] * 448 + col, x.to(tl.int16), mask=m3)
-    r = tl.arange(0, 64)
-    rb = tl.load(pages_i16_ptr + (data[:, None] + 448) // 2 + r[None, :], mask=t_ok[:, None])
-    tl.store(rope_ptr + t[:, None] * 64 + r[None, :], rb, mask=t_ok[:, None])
+    _copy_rows(pages_i16_ptr + (data[:, None] + 448) // 2, rope_ptr + t[:, None] * 64, t_ok, 64)
 
 
 # ---------------------------------------------------------------- native (sm89+) encoders
@@ -168,10 +184,7 @@ def _nan_free_amax(amax):
 def _v32_scale(amax_bits):
     """(scale bits, then the per-group factors of `_div`: 1/scale, scale * up, -1/(scale * up),
     -up), where up is 2^64 for scales under 2^-100, else 1."""
-    scale = tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), 448.0)
-    scale_bits = scale.to(tl.int32, bitcast=True)
-    scale_bits = tl.where(scale_bits < 0x00800000, 0x00800000, scale_bits)  # max(., FLT_MIN)
-    scale = scale_bits.to(tl.float32, bitcast=True)
+    scale_bits, scale = _v32_scale_bits(amax_bits)
     recip = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # 0 for an Inf scale
     tiny = scale < _TINY_SCALE
     neg_up = tl.where(tiny, -_UP, -1.0)
@@ -239,9 +252,7 @@ def encode_v32_float_kernel(
     BLOCK_T: tl.constexpr, NAN_FIX: tl.constexpr,
 ):
     """`encode_v32_kernel` (sm89+): float amax, FMA-corrected quotient, Triton's fp8 conversion."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t = t.to(tl.int64)
+    t, t_ok = _token_block(num_tokens, BLOCK_T)
     g = tl.arange(0, 4)
     col = g[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
     m3 = t_ok[:, None, None]
@@ -255,9 +266,7 @@ def encode_v32_float_kernel(
         code = tl.where(q != q, 0x7F, code)
     tl.store(rows_u8_ptr + t[:, None, None] * 656 + col, code, mask=m3)
     tl.store(rows_i32_ptr + t[:, None] * 164 + 128 + g[None, :], scale_bits, mask=t_ok[:, None])
-    r = tl.arange(0, 64)
-    rb = tl.load(rope_ptr + t[:, None] * rope_stride + r[None, :], mask=t_ok[:, None])
-    tl.store(rows_i16_ptr + t[:, None] * 328 + 264 + r[None, :], rb, mask=t_ok[:, None])
+    _copy_rows(rope_ptr + t[:, None] * rope_stride, rows_i16_ptr + t[:, None] * 328 + 264, t_ok, 64)
 
 
 @triton.jit
@@ -268,9 +277,7 @@ def encode_v32_words_kernel(
 ):
     """`encode_v32_kernel` (sm89+) on words: latent as int64 (stride in int64s), rope and rows as
     int32 (stride in int32s, rows of 164 words: 128 of codes, 4 scales, 32 of rope)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t = t.to(tl.int64)
+    t, t_ok = _token_block(num_tokens, BLOCK_T)
     g = tl.arange(0, 4)
     col = g[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
     m3 = t_ok[:, None, None]
@@ -283,20 +290,7 @@ def encode_v32_words_kernel(
                     _div(x2, rc, su, nrd, nu), _div(x3, rc, su, nrd, nu))
     tl.store(rows_ptr + t[:, None, None] * 164 + col, words, mask=m3)
     tl.store(rows_ptr + t[:, None] * 164 + 128 + g[None, :], scale_bits, mask=t_ok[:, None])
-    r = tl.arange(0, 32)
-    rw = tl.load(rope_ptr + t[:, None] * rope_stride + r[None, :], mask=t_ok[:, None])
-    tl.store(rows_ptr + t[:, None] * 164 + 132 + r[None, :], rw, mask=t_ok[:, None])
-
-
-@triton.jit
-def _v4_scale(amax_bits):
-    """(scale byte, 2^-e) from a group's amax bits; see `encode_v4_kernel`."""
-    amax = tl.maximum(amax_bits, 0x38D1B717)
-    exp = (amax >> 23) - 127 - 8 + ((amax & 0x7FFFFF) > 0x600000).to(tl.int32)
-    is_inf = amax == 0x7F800000
-    scale_byte = tl.where(is_inf, 255, exp + 127)
-    inv_scale = tl.where(is_inf, 0, (127 - exp) << 23).to(tl.float32, bitcast=True)
-    return scale_byte, inv_scale
+    _copy_rows(rope_ptr + t[:, None] * rope_stride, rows_ptr + t[:, None] * 164 + 132, t_ok, 32)
 
 
 @triton.jit
@@ -306,9 +300,7 @@ def encode_v4_float_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, NAN_FIX: tl.constexpr,
 ):
     """`encode_v4_kernel` (sm89+) with a float amax and Triton's fp8 conversion."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t = t.to(tl.int64)
+    t, t_ok = _token_block(num_tokens, BLOCK_T)
     g = tl.arange(0, 8)
     col = g[None, :, None] * 64 + tl.arange(0, 64)[None, None, :]
     m3 = t_ok[:, None, None] & (g < 7)[None, :, None]
@@ -320,11 +312,8 @@ def encode_v4_float_kernel(
         code = tl.where(q != q, 0x7F, code)
     data, scales = _v4_offsets(t, page_stride, BLOCK_SIZE)
     tl.store(pages_u8_ptr + data[:, None, None] + col, code, mask=m3)
-    scale_byte = tl.where((g < 7)[None, :], scale_byte, 0)
-    tl.store(pages_u8_ptr + scales[:, None] + g[None, :], scale_byte.to(tl.uint8), mask=t_ok[:, None])
-    r = tl.arange(0, 64)
-    rb = tl.load(rope_ptr + t[:, None] * rope_stride + r[None, :], mask=t_ok[:, None])
-    tl.store(pages_i16_ptr + (data[:, None] + 448) // 2 + r[None, :], rb, mask=t_ok[:, None])
+    _store_v4_scale_row(pages_u8_ptr, scales, g, scale_byte, t_ok)
+    _copy_rows(rope_ptr + t[:, None] * rope_stride, pages_i16_ptr + (data[:, None] + 448) // 2, t_ok, 64)
 
 
 @triton.jit
@@ -335,9 +324,7 @@ def encode_v4_words_kernel(
 ):
     """`encode_v4_kernel` (sm89+) on words: latent as int64 (stride in int64s), rope as int32
     (stride in int32s), codes and rope written as int32 (page_stride in bytes, a multiple of 4)."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < num_tokens
-    t = t.to(tl.int64)
+    t, t_ok = _token_block(num_tokens, BLOCK_T)
     g = tl.arange(0, 8)  # 7 groups of 16 words and a masked eighth
     col = g[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
     m3 = t_ok[:, None, None] & (g < 7)[None, :, None]
@@ -348,8 +335,5 @@ def encode_v4_words_kernel(
     data, scales = _v4_offsets(t, page_stride, BLOCK_SIZE)
     data = data // 4
     tl.store(pages_i32_ptr + data[:, None, None] + col, words, mask=m3)
-    scale_byte = tl.where((g < 7)[None, :], scale_byte, 0)
-    tl.store(pages_u8_ptr + scales[:, None] + g[None, :], scale_byte.to(tl.uint8), mask=t_ok[:, None])
-    r = tl.arange(0, 32)
-    rw = tl.load(rope_ptr + t[:, None] * rope_stride + r[None, :], mask=t_ok[:, None])
-    tl.store(pages_i32_ptr + data[:, None] + 112 + r[None, :], rw, mask=t_ok[:, None])
+    _store_v4_scale_row(pages_u8_ptr, scales, g, scale_byte, t_ok)
+    _copy_rows(rope_ptr + t[:, None] * rope_stride, pages_i32_ptr + data[:, None] + 112, t_ok, 32)
