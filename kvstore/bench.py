@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import zmq
 
+from pdserve.deploy.ports import free_port
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.malloc import keep_large_buffers
 
@@ -46,15 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def _local_server(l1_gb: float) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "pdserve.kvstore.server", "--port", str(port), "--http-port", "0",
             "--l1-size-gb", f"{l1_gb:.3f}", "--log-level", "WARNING"]
     proc = subprocess.Popen(argv)

@@ -27,17 +27,10 @@ from typing import Iterator, Sequence
 
 import httpx
 
+from pdserve.deploy.ports import free_port
 from pdserve.deploy.tiny_model import main as tiny_main
 
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "HF_HUB_OFFLINE": "1"}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -68,7 +61,7 @@ def _process(argv: list[str], health: str, log: Path, timeout_s: float = 600) ->
 
 
 def _engine(model: Path, kv_config: dict, max_len: int, logdir: Path, name: str):
-    port = _free_port()
+    port = free_port()
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
@@ -125,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = {n: [rng.randrange(3, 1000) for _ in range(n)] for n in args.lengths}
     max_len = max(args.lengths) + 64
 
-    store_port, store_http = _free_port(), _free_port()
+    store_port, store_http = free_port(), free_port()
     store_argv = [sys.executable, "-m", "pdserve.deploy.cli", "kvstore", "--port", str(store_port),
                   "--http-port", str(store_http), "--chunk-size", str(args.chunk_size), "--l1-size-gb", "2"]
     ours_cfg = {"kv_connector": "PDServeConnector", "kv_role": "kv_both",

@@ -23,7 +23,6 @@ import asyncio
 import json
 import math
 import signal
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 from pdserve.deploy.cli import split_passthrough
+from pdserve.deploy.ports import free_port
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -447,12 +447,6 @@ async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: P
     return runs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def compare_stacks(cfg: BenchConfig) -> list[Run]:
     """P/D stack, then a colocated engine (through the router and direct), one after the other."""
     from pdserve.deploy.local import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS, LocalStack, StackConfig, tiny_model_dir
@@ -467,9 +461,9 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
 
     def stack(**kw: Any) -> StackConfig:
         return StackConfig(model=model, served_model_name=served, tokenizer=model if Path(model).is_dir() else None,
-                           vllm_args=tuple(vllm_args), engine_env=env, port=_free_port(),
-                           prefill_port=_free_port(), decode_port=_free_port(), kvstore_port=_free_port(),
-                           kvstore_http_port=_free_port(), api_key=cfg.api_key, **kw)
+                           vllm_args=tuple(vllm_args), engine_env=env, port=free_port(),
+                           prefill_port=free_port(), decode_port=free_port(), kvstore_port=free_port(),
+                           kvstore_http_port=free_port(), api_key=cfg.api_key, **kw)
 
     runs: list[Run] = []
     pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)

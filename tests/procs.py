@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, Union
 
+from pdserve.deploy.ports import free_port  # noqa: F401  (tests import it from here with the rest)
+
 # Flags that keep a tiny CPU engine small and quick to start (measured: see tests/test_tiny_model.py).
 # The KV cache size must be explicit on the CPU (otherwise vLLM reserves 90% of RAM and refuses to
 # start next to other engines); 256 MiB holds ~58k tokens of tiny DeepSeek-V3 MLA KV, ~128k of
@@ -61,13 +63,6 @@ def log_dir() -> Path:
     if _LOG_DIR is None:
         _LOG_DIR = Path(tempfile.mkdtemp(prefix="pdserve-test-logs-"))
     return _LOG_DIR
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it; a race is possible but rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ProcessDied(RuntimeError):

@@ -1,0 +1,47 @@
+"""Free TCP ports for the stacks and benchmarks pdserve starts on one machine.
+
+`bind(0)` picks a port from the kernel's ephemeral range, the range outgoing
+connections also take their local ports from. A port picked that way and bound
+later (a vLLM engine binds its port 40 s or more after it was chosen) can be taken
+meanwhile by any outgoing connection on the machine; seen here as a worker failing
+with "Address already in use". Picking below the ephemeral range avoids that.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 10000  # below sit well-known services and what users configure by hand
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in _EPHEMERAL.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now and outside the ephemeral range (falls back to the kernel's pick)."""
+    low, high = _ephemeral_range()
+    span = range(_LOWEST, low) if low - _LOWEST >= 1000 else range(high + 1, 65536)
+    for _ in range(200):
+        port = random.choice(span)
+        if _bindable(host, port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
