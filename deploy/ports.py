@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_LOWEST = 10000  # below sit well-known services and what users configure by hand
+_LOWEST = 20000  # below: well-known services, hand-set ports and Ray's worker ports (10002-19999)
 
 
 def _ephemeral_range() -> tuple[int, int]:

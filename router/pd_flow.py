@@ -376,6 +376,7 @@ class PDFlow:
         """Relay the decode stream; retry on another worker until the first token, then pass bytes through."""
         outcome = "499"  # unless the stream ends otherwise, the client left
         first = False
+        relayed_done = False  # the client has had the stream's last event
         try:
             while True:
                 pending = b""
@@ -386,13 +387,17 @@ class PDFlow:
                         if first:
                             self.metrics.itl.observe(now - t_last)
                             t_last = now
+                            relayed_done = relayed_done or b"data: [DONE]" in chunk
                             yield chunk
                             continue
                         pending += chunk
                         if _has_token(pending):
                             first, t_last = True, now
-                            yield pending  # resumes once the server has sent it on
-                            self._observe_first_token(call, leg, now, time.perf_counter() - now)
+                            relayed_done = b"data: [DONE]" in pending
+                            try:
+                                yield pending  # resumes once the server has sent it on
+                            finally:  # also when the client, having it all, hangs up here
+                                self._observe_first_token(call, leg, now, time.perf_counter() - now)
                     if pending and not first:
                         yield pending  # a stream without any token (e.g. max_tokens=0): relay as is
                     leg.lease.release(True)
@@ -422,6 +427,10 @@ class PDFlow:
                         return
         finally:
             # Runs on client disconnect too (the generator is cancelled): nothing here may await.
+            if outcome == "499" and relayed_done:  # served whole; the client left before the upstream's EOF
+                outcome = "200"
+                call.finished = True
+                leg.lease.release(True)
             # Closing (not releasing) an unfinished response drops its connection, which aborts the request.
             leg.lease.release(None)
             leg.resp.close()
