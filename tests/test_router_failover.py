@@ -140,7 +140,10 @@ def test_client_disconnect_aborts_both_legs_and_frees_the_tail(pd_stack: Stack) 
     """One decode slot: request A streams and holds it; B's prefill finishes (its tail is stored) and B
     waits for decode; then both clients hang up. Nothing may keep running, and B's tail must be dropped."""
     router = pd_router(pd_stack, "--max-inflight-per-worker", "1", "--max-queue", "4")
+    # Other tests' tails may still be alive (or expire meanwhile) in the shared store: count B's by the
+    # store's op counters, which only grow, and look at the live-tail gauge only relative to them.
     tails = lambda: metric(pd_stack.kvstore.http, "pdserve_kvstore_live_tails")  # noqa: E731
+    ops = lambda op: metric(pd_stack.kvstore.http, "pdserve_kvstore_requests_total", {"op": op})  # noqa: E731
     try:
         a = raw_post(router.url, "/v1/completions", {
             "model": pd_stack.model, "prompt": long_prompt(50, seed=14), "stream": True, "max_tokens": 3000,
@@ -152,15 +155,18 @@ def test_client_disconnect_aborts_both_legs_and_frees_the_tail(pd_stack: Stack) 
             assert chunk, "router closed A's stream"
             received += chunk
         wait_until(lambda: _running(pd_stack.decode.url) == 1, what="A running on decode")
-        tails_before = tails()
+        puts_before, drops_before = ops("put_tail"), ops("drop_tail")
         b = raw_post(router.url, "/v1/completions", {
             "model": pd_stack.model, "prompt": long_prompt(60, seed=15), "max_tokens": 5,
         }, API_KEY)
         wait_until(lambda: metric(router.url, "pdserve_router_queue_depth", {"role": "decode"}) == 1,
                    what="B queued for decode after its prefill")
-        wait_until(lambda: tails() == tails_before + 1, what="B's prefill tail stored")
+        wait_until(lambda: ops("put_tail") == puts_before + 1, what="B's prefill tail stored")
+        wait_until(lambda: tails() >= 1, what="the live-tail gauge to count B's tail")
+        live = tails()
         b.close()  # B hangs up while it waits for decode
-        wait_until(lambda: tails() == tails_before, what="B's tail dropped")
+        wait_until(lambda: ops("drop_tail") == drops_before + 1, what="the router to drop B's tail")
+        wait_until(lambda: tails() <= live - 1, what="B's tail gone from the store")
         a.close()  # A hangs up mid-stream
         wait_until(lambda: _running(pd_stack.decode.url) == 0, what="decode engine idle")
         assert _running(pd_stack.prefill.url) == 0
