@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.children import spawn, stop_group
+from pdserve.kvstore.config import add_client_token_flag
 from pdserve.kvstore.malloc import ENV as MALLOC_ENV
 from pdserve.router.discovery import DEFAULT_TTL_S, Registrar, Role, WorkerRecord, new_worker_id
 
@@ -131,8 +132,7 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", required=True, help="model path or name, as for `vllm serve`")
     parser.add_argument("--kvstore-url", default=None, help="KV store address, e.g. tcp://127.0.0.1:5556")
-    parser.add_argument("--kvstore-auth-token", default=os.environ.get("PDSERVE_KVSTORE_TOKEN"),
-                        help="the store's --auth-token (default: $PDSERVE_KVSTORE_TOKEN)")
+    add_client_token_flag(parser, "for the connector")
     parser.add_argument("--redis-url", default=None, help="register here for discovery, e.g. redis://host:6379/0")
     parser.add_argument("--host", default="127.0.0.1", help="bind address of the vLLM server")
     parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help="port of the vLLM server")
@@ -164,7 +164,7 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
         role=role,
         model=args.model,
         kvstore_url=args.kvstore_url,
-        kvstore_auth_token=args.kvstore_auth_token or None,
+        kvstore_auth_token=args.kvstore_auth_token,
         redis_url=args.redis_url,
         host=args.host,
         port=args.port,

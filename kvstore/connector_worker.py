@@ -49,6 +49,14 @@ def _paged_ops() -> tuple[Callable, Callable] | None:
     return paged.gather, paged.scatter
 
 
+def _log_failure(exc: Exception, what: str) -> None:
+    """A store error is an expected failure (one line); anything else is a bug (with its traceback)."""
+    if isinstance(exc, KVStoreError):
+        log.warning("%s: %s", what, exc)
+    else:
+        log.exception("%s: unexpected error", what)
+
+
 def _copy_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
     """dst[idx] = src for byte rows, as 8-byte words where both line up: torch copies uint8
     rows element by element, int64 rows a word at a time (measured: 25x faster for a
@@ -152,8 +160,9 @@ class WorkerIO:
         for t in self._threads:
             t.start()
 
-    def _client(self) -> KVStoreClient:
-        return KVStoreClient(**self.client_args)
+    def _client(self, url: str | None = None) -> KVStoreClient:
+        """A client of our store, or of `url` (a producer's store on another node)."""
+        return KVStoreClient(**(self.client_args if url is None else {**self.client_args, "url": url}))
 
     # saves ----------------------------------------------------------------
     def save(self, job: TransferJob) -> None:
@@ -183,10 +192,7 @@ class WorkerIO:
                     client.put_tail(self.namespace, job.tail_id, tail)
                 self.stats.add(saved_bytes=sum(b.numel() for b in buffers))
             except Exception as exc:  # a lost save costs a later recompute; a dead save thread would cost every save
-                if isinstance(exc, KVStoreError):
-                    log.warning("save of %s failed: %s", job.req_id, exc)
-                else:
-                    log.exception("save of %s failed unexpectedly", job.req_id)
+                _log_failure(exc, f"save of {job.req_id} failed")
                 if client is not None:
                     client.close()
                 client = None
@@ -218,14 +224,10 @@ class WorkerIO:
         while (job := self._loads.get()) is not None:
             try:
                 if job.store_url not in clients:
-                    args = self.client_args if job.store_url is None else {**self.client_args, "url": job.store_url}
-                    clients[job.store_url] = KVStoreClient(**args)
+                    clients[job.store_url] = self._client(job.store_url)
                 outcome = self._load_one(clients[job.store_url], job)
             except Exception as exc:  # whatever fails, the request is recomputed; it must never wait forever
-                if isinstance(exc, KVStoreError):
-                    log.warning("load of %s failed, vLLM recomputes it: %s", job.req_id, exc)
-                else:
-                    log.exception("load of %s failed unexpectedly, vLLM recomputes it", job.req_id)
+                _log_failure(exc, f"load of {job.req_id} failed, vLLM recomputes it")
                 stale = clients.pop(job.store_url, None)
                 if stale is not None:
                     stale.close()

@@ -98,12 +98,8 @@ class Store:
             log.info("writing %d L1 objects (%.2f GiB) to L2 before exit", len(chunks),
                      sum(obj.size for _, obj in chunks) / 2**30)
         for cid, obj in chunks:
-            try:
-                self.l2.write(cid, self.l1.view(obj), obj.checksum)
-            except OSError as exc:
-                log.warning("L2 write failed at exit, the rest of L1 is dropped: %s", exc)
-                self.metrics.errors.labels("l2_write").inc()
-                return
+            if not self._write_l2(cid, obj):
+                return  # the disk refused one: the rest of L1 is dropped
 
     # ------------------------------------------------------------ namespaces
 
@@ -447,13 +443,19 @@ class Store:
 
     def _spill(self, cid: ChunkId, obj: Obj) -> None:
         self.metrics.evictions.labels("l1").inc()
-        if self.l2 is None:
-            return
+        if self.l2 is not None:
+            self._write_l2(cid, obj)
+
+    def _write_l2(self, cid: ChunkId, obj: Obj) -> bool:
+        """Copy an L1 object to L2; a failed write drops the object (logged and counted)."""
+        assert self.l2 is not None
         try:
             self.l2.write(cid, self.l1.view(obj), obj.checksum)
         except OSError as exc:
             log.warning("L2 write failed, object dropped: %s", exc)
             self.metrics.errors.labels("l2_write").inc()
+            return False
+        return True
 
     def _l2_evicted(self, cid: ChunkId) -> None:
         self.metrics.evictions.labels("l2").inc()

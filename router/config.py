@@ -9,9 +9,10 @@ the router through these flags, so they are a stable interface.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Literal, Sequence, get_args
+
+from pdserve.kvstore.config import add_client_token_flag
 
 PolicyName = Literal["least-loaded", "round-robin", "prefix-aware"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)
@@ -85,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd-max-cached-fraction", type=float, default=d["pd_max_cached_fraction"].default,
                    help="prompts whose prefix is at least this fraction in the KV store skip the prefill leg")
     p.add_argument("--api-key", default=None, help="Bearer key clients must send; also sent to workers")
-    p.add_argument("--kvstore-auth-token", default=os.environ.get("PDSERVE_KVSTORE_TOKEN"),
-                   help="the KV stores' --auth-token, for prefix lookups and tail drops (default: $PDSERVE_KVSTORE_TOKEN)")
+    add_client_token_flag(p, "for prefix lookups and tail drops")
     p.add_argument("--max-inflight-per-worker", type=int, default=d["max_inflight_per_worker"].default)
     p.add_argument("--max-queue", type=int, default=d["max_queue"].default,
                    help="requests that may wait for a free worker; beyond it: 429")
@@ -123,7 +123,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             pd_min_prompt_tokens=a.pd_min_prompt_tokens,
             pd_max_cached_fraction=a.pd_max_cached_fraction,
             api_key=a.api_key,
-            kvstore_auth_token=a.kvstore_auth_token or None,
+            kvstore_auth_token=a.kvstore_auth_token,
             max_inflight_per_worker=a.max_inflight_per_worker,
             max_queue=a.max_queue,
             queue_timeout=a.queue_timeout,
