@@ -180,9 +180,9 @@ def session_members(sid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[4]) == sid:
+                if os.getsid(int(entry.name)) == sid:
                     found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
+            except OSError:  # exited meanwhile
                 continue
     return found
 
