@@ -145,6 +145,12 @@ class ServiceActor:
 # ---------------------------------------------------------------- stack-wide operations
 
 
+def connect(address: str | None, namespace: str, **options: Any) -> None:
+    """Join the cluster as a driver in the stack's namespace (the app and `pdserve ray` alike)."""
+    ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=namespace,
+             logging_level=logging.WARNING, **options)
+
+
 def stack_actors(namespace: str) -> dict[str, Any]:
     """name -> handle of every actor in the stack's namespace (the caller is connected to it)."""
     names = ray.util.list_named_actors(all_namespaces=False)
@@ -305,8 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pdserve ray: {args.config}: {exc}", file=sys.stderr)
         return 2
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace=cfg.name,
-             logging_level=logging.WARNING)
+    connect(args.address, cfg.name)
     try:
         url = start_stack(cfg)
     except StackError as exc:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
 from typing import Any, Sequence
 
@@ -32,13 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--timeout", type=float, default=120.0,
                       help="seconds each service gets to stop (workers drain) before it is killed")
     return p
-
-
-def _connect(address: str | None, namespace: str) -> None:
-    import ray
-
-    ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=namespace,
-             logging_level=logging.WARNING, log_to_driver=False)
 
 
 def collect_status(namespace: str) -> list[dict[str, Any]]:
@@ -64,7 +55,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    _connect(args.address, args.namespace)
+    from pdserve.deploy.ray_app import connect
+
+    connect(args.address, args.namespace, log_to_driver=False)
     if args.action == "status":
         rows = collect_status(args.namespace)
         if args.json:

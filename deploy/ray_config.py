@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,16 @@ class ClusterConfig:
     def worker(self, role: WorkerRole) -> WorkerSpec:
         return self.prefill if role == "prefill" else self.decode
 
+    @functools.cached_property
+    def vllm_settings(self) -> dict[str, Any]:
+        """The vllm_config file's flags, read once: every check and every replica's spec needs them."""
+        return read_vllm_config(self.vllm_config) if self.vllm_config else {}
+
+    @functools.cached_property
+    def file_env(self) -> dict[str, str]:
+        """The env_file's variables, read once for all engines."""
+        return read_env_file(self.env_file) if self.env_file else {}
+
 
 @dataclass(frozen=True)
 class ServiceSpec:
@@ -161,15 +172,21 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
         raise ConfigError(f"{where or 'config'}: {exc}") from None
 
 
-def load_config(path: str | Path) -> ClusterConfig:
-    """Read and check a cluster config; relative file paths in it are taken from the working directory."""
+def _read_yaml_mapping(path: str | Path, where: str = "") -> Mapping[str, Any]:
+    """A YAML file that must hold a mapping; `where` (the key naming the file) prefixes errors."""
+    prefix = f"{where}: " if where else ""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
+        raise ConfigError(f"{prefix}cannot read {path}: {exc}") from None
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    cfg = _build(ClusterConfig, data, "")
+        raise ConfigError(f"{prefix}{path}: expected a mapping at the top level")
+    return data
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and check a cluster config; relative file paths in it are taken from the working directory."""
+    cfg = _build(ClusterConfig, _read_yaml_mapping(path), "")
     check_config(cfg)
     return cfg
 
@@ -190,18 +207,12 @@ def read_env_file(path: str | Path) -> dict[str, str]:
 
 def read_vllm_config(path: str | Path) -> dict[str, Any]:
     """A `vllm serve --config` file as a dict with dashed keys (vLLM accepts both spellings)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"vllm_config: cannot read {path}: {exc}") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"vllm_config: {path} must map vLLM flag names to values")
-    return {str(k).replace("_", "-"): v for k, v in data.items()}
+    return {str(k).replace("_", "-"): v for k, v in _read_yaml_mapping(path, "vllm_config").items()}
 
 
 def _engine_flags(cfg: ClusterConfig, role: WorkerRole) -> argparse.Namespace:
     """The parallel sizes and retention interval an engine of `role` will run with (role flags win)."""
-    settings = read_vllm_config(cfg.vllm_config) if cfg.vllm_config else {}
+    settings = cfg.vllm_settings
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=settings.get("tensor-parallel-size", 1))
     p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=settings.get("pipeline-parallel-size", 1))
@@ -234,12 +245,10 @@ def check_config(cfg: ClusterConfig) -> None:
         value = getattr(cfg, file_key)
         if value is not None and not Path(value).is_file():
             raise ConfigError(f"{file_key}: no file {value!r} (paths are relative to the working directory)")
-    if cfg.vllm_config:
-        owned = sorted(set(OWNED_VLLM_KEYS) & set(read_vllm_config(cfg.vllm_config)))
-        if owned:
-            raise ConfigError(f"vllm_config {cfg.vllm_config} sets {owned}: each service sets these itself")
-    if cfg.env_file:
-        read_env_file(cfg.env_file)
+    owned = sorted(set(OWNED_VLLM_KEYS) & set(cfg.vllm_settings))
+    if owned:
+        raise ConfigError(f"vllm_config {cfg.vllm_config} sets {owned}: each service sets these itself")
+    cfg.file_env  # a malformed line fails here, not on the cluster
     if cfg.kvstore.chunk_size <= 0:
         raise ConfigError(f"kvstore.chunk_size must be positive, got {cfg.kvstore.chunk_size}")
     for role in ROLES:
@@ -291,8 +300,7 @@ def engine_env(cfg: ClusterConfig) -> dict[str, str]:
     env = dict(QUIET_ENV)
     if cfg.tiny:
         env.update(TINY_ENGINE_ENV)
-    if cfg.env_file:
-        env.update(read_env_file(cfg.env_file))
+    env.update(cfg.file_env)
     env.update(cfg.env)
     return env
 
