@@ -12,6 +12,7 @@ Before timing, each kernel's output is compared bit for bit with the torch resul
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -166,6 +167,13 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 CODEC_OPS = ("encode_v32", "decode_v32", "encode_v4", "decode_v4")
 
 
+def _variant_spec(spec: str | None) -> tuple[str | None, list[tuple[int | None, int | None]] | None]:
+    """An --encode-variants item, 'name' or 'name@AxB/CxD' -> (name, [(A, B), (C, D)]): that
+    variant, at those launches only (None: at every one); a name of None is the default variant."""
+    name, _, launches = (spec or "").partition("@")
+    return name or None, _pairs(launches.replace("/", ",")) if launches else None
+
+
 def bench_codecs(bench: Bench, min_bytes: int, block_size: int, natives: list[bool],
                  configs: list[tuple[int | None, int | None]],
                  encode_variants: list[str | None] | None = None,
@@ -174,15 +182,7 @@ def bench_codecs(bench: Bench, min_bytes: int, block_size: int, natives: list[bo
     encoders once for each of `encode_variants` (None: the launcher's default variant)."""
     from pdserve.kernels import fp8_ds_mla as f
 
-    only: dict[str | None, set[tuple[int, int]]] = {}  # "name@AxB/CxD": that variant at those only
-    names: list[str | None] = []
-    for spec in encode_variants or [None]:
-        name, _, launches = (spec or "").partition("@")
-        names.append(name or None)
-        if launches:
-            only[name] = {tuple(int(v) for v in x.split("x"))  # type: ignore[misc]
-                          for x in launches.split("/")}
-    variants_of = {False: [None], True: names}
+    specs = [_variant_spec(v) for v in encode_variants or [None]]  # (native variant, launches)
     rows = []
     tokens = math.ceil(min_bytes / f.V4_ROW_BYTES / block_size) * block_size
     lat32, lat4, rope = (_bf16(tokens, width, bench.device) for width in (f.V32_NOPE, f.V4_NOPE, f.ROPE))
@@ -197,7 +197,7 @@ def bench_codecs(bench: Bench, min_bytes: int, block_size: int, natives: list[bo
     rows32_odd = f.encode_v32_torch(cpu32[:odd], cpu_rope[:odd])
     pages4_odd = f.encode_v4_torch(cpu4[:odd], cpu_rope[:odd], block_size)
     for native in natives:
-        for variant in variants_of[native]:
+        for variant, _ in specs if native else [(None, None)]:
             tag = f"native={native}" + (f" variant={variant}" if variant else "")
             kw = dict(native=native, variant=variant)
             ok = _same(f.encode_v32_triton(lat32[:n], rope[:n], **kw).cpu(), rows32) and _same(
@@ -219,50 +219,39 @@ def bench_codecs(bench: Bench, min_bytes: int, block_size: int, natives: list[bo
     kv32, kv4 = tokens * f.V32_ROW_BYTES, tokens * f.V4_ROW_BYTES
     shape32 = f"{tokens} tok x 656B"
     shape4 = f"{tokens} tok x 584B pages of {block_size}"
-    first_seen: set[str] = set()
-
-    def naive(op: str, fn: Callable[[], object]) -> Callable[[], object] | None:
-        if op in first_seen:
-            return None
-        first_seen.add(op)
-        return fn
-
+    timed: dict[str, tuple[str, int, Callable[[dict], object], Callable[[], object]]] = {
+        # op: shape, bytes moved, the kernel (launch keywords in), its torch reference
+        "encode_v32": (shape32, bf16_32 + kv32, lambda kw: f.encode_v32_triton(lat32, rope, out32, **kw),
+                       lambda: f.encode_v32_torch(lat32, rope)),
+        "decode_v32": (shape32, bf16_32 + kv32, lambda kw: f.decode_v32_triton(v32, **kw),
+                       lambda: f.decode_v32_torch(v32)),
+        "encode_v4": (shape4, bf16_4 + kv4,
+                      lambda kw: f.encode_v4_triton(lat4, rope, block_size, out4, **kw),
+                      lambda: f.encode_v4_torch(lat4, rope, block_size, out4)),
+        "decode_v4": (shape4, bf16_4 + kv4, lambda kw: f.decode_v4_triton(pages, tokens, block_size, **kw),
+                      lambda: f.decode_v4_torch(pages, tokens, block_size)),
+    }
+    first_seen: set[str] = set()  # ops timed once already: only their first row gets the baseline
     for native in natives:
         for block_t, warps in configs:
             shape_of = f"bt={block_t} w={warps}" if block_t else "default"
             path = "native" if native else "portable"
-            kw = dict(native=native, block_t=block_t, num_warps=warps)
             for op in ops:
-                if op.startswith("decode"):
-                    if op == "decode_v32":
-                        rows.append(bench.row(op, shape32, f"{path} {shape_of}", bf16_32 + kv32,
-                                              lambda: f.decode_v32_triton(v32, **kw),
-                                              naive(op, lambda: f.decode_v32_torch(v32))))
-                    else:
-                        rows.append(bench.row(
-                            op, shape4, f"{path} {shape_of}", bf16_4 + kv4,
-                            lambda: f.decode_v4_triton(pages, tokens, block_size, **kw),
-                            naive(op, lambda: f.decode_v4_torch(pages, tokens, block_size))))
-                    continue
-                for variant in variants_of[native]:
-                    if variant in only and (block_t, warps) not in only[variant]:
+                shape, moved, kernel, reference = timed[op]
+                encode = op.startswith("encode")
+                for variant, launches in specs if native and encode else [(None, None)]:
+                    if launches and (block_t, warps) not in launches:
                         continue
-                    ekw = dict(kw, variant=variant)
+                    kw = dict(native=native, block_t=block_t, num_warps=warps)
                     config = f"{path} {shape_of}" if variant is None else (
                         f"{variant} {block_t}x{warps}" if block_t else f"{variant} default")
+                    if encode:
+                        kw["variant"] = variant
                     launch = (dict(variant=variant or "default", block_t=block_t, num_warps=warps)
-                              if native else {})
-                    if op == "encode_v32":
-                        rows.append(bench.row(
-                            op, shape32, config, bf16_32 + kv32,
-                            lambda: f.encode_v32_triton(lat32, rope, out32, **ekw),
-                            naive(op, lambda: f.encode_v32_torch(lat32, rope)), **launch))
-                    else:
-                        rows.append(bench.row(
-                            op, shape4, config, bf16_4 + kv4,
-                            lambda: f.encode_v4_triton(lat4, rope, block_size, out4, **ekw),
-                            naive(op, lambda: f.encode_v4_torch(lat4, rope, block_size, out4)),
-                            **launch))
+                              if native and encode else {})
+                    naive = None if op in first_seen else reference
+                    first_seen.add(op)
+                    rows.append(bench.row(op, shape, config, moved, lambda: kernel(kw), naive, **launch))
     return rows
 
 
@@ -300,7 +289,8 @@ def check_exhaustive(bench: Bench, variants: list[str | None]) -> None:
     the torch reference) on `_all_pairs`: bit-exact rows and pages, or a failed check."""
     from pdserve.kernels import fp8_ds_mla as f
 
-    for op, group, groups_per_token in (("encode_v32", 128, 4), ("encode_v4", 64, 7)):
+    for codec, group, groups_per_token in (("v32", 128, 4), ("v4", 64, 7)):
+        op = f"encode_{codec}"
         pairs = _all_pairs(group, bench.device)
         pad = -pairs.shape[0] % groups_per_token
         pairs = torch.cat([pairs, pairs.new_zeros(pad, group)])
@@ -308,22 +298,18 @@ def check_exhaustive(bench: Bench, variants: list[str | None]) -> None:
         tokens = latent.shape[0]
         rope = torch.randint(-32768, 32768, (tokens, f.ROPE), device=bench.device,
                              dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        if op == "encode_v32":
-            def enc(**kw):
-                return f.encode_v32_triton(latent, rope, **kw)
-        else:
-            def enc(**kw):
-                return f.encode_v4_triton(latent, rope, 64, **kw)
+        enc = (functools.partial(f.encode_v32_triton, latent, rope) if codec == "v32"
+               else functools.partial(f.encode_v4_triton, latent, rope, 64))
         want = enc(native=False)
         for variant in variants:
-            variant = variant or f.NATIVE_ENCODE[op[-3:].lstrip("_")][0]
+            variant = variant or f.NATIVE_ENCODE[codec][0]
             got = enc(native=True, variant=variant)
             bad = int((got != want).any(dim=-1).sum())
             print(f"exhaustive {op} variant={variant}: {pairs.shape[0]} groups, {tokens} tokens, "
                   f"{bad} differing rows", flush=True)
             bench.check(f"exhaustive {op} variant={variant}", bad == 0, (op, variant))
             del got
-        del pairs, latent, rope, want
+        del pairs, latent, rope, want, enc
         torch.cuda.empty_cache()
 
 
@@ -353,12 +339,10 @@ def precompile(variants: list[str | None], configs: list[tuple[int | None, int |
     import multiprocessing
 
     work = []
-    for spec in variants:
-        name, _, launches = (spec or "").partition("@")
-        allowed = [tuple(int(v) for v in x.split("x")) for x in launches.split("/")] if launches else configs
-        for block_t, warps in [(None, None)] + list(allowed):
+    for name, launches in map(_variant_spec, variants):
+        for block_t, warps in [(None, None)] + (launches or configs):
             for op in ("encode_v32", "encode_v4"):
-                work.append((op, name or None, block_t, warps, block_size))
+                work.append((op, name, block_t, warps, block_size))
     start = time.perf_counter()
     try:
         with concurrent.futures.ProcessPoolExecutor(
@@ -473,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs > 1 and native_ok and not args.skip_codecs:
         precompile(variants, _pairs(args.codec_configs), args.codec_block_size, args.jobs)
     if args.exhaustive and native_ok:
-        check_exhaustive(bench, [v.partition("@")[0] if v else None for v in variants])
+        check_exhaustive(bench, [_variant_spec(v)[0] for v in variants])
     print(HEADER)
     rows: list[Row] = []
 

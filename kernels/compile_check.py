@@ -28,7 +28,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 TARGETS = (80, 86, 89, 90)
 NATIVE_MIN_CC = 89
@@ -87,7 +87,7 @@ _CODEC_SIGNATURES["encode_v4_float"] = _CODEC_SIGNATURES["encode_v4"]
 def _codec(name: str, native: bool) -> Variant:
     """`name` is a kernel of fp8_ds_mla_triton without `_kernel`; the *_float and *_words encoders
     exist only as native variants, built with the launch configuration the launchers default to."""
-    from pdserve.kernels.fp8_ds_mla import BLOCK_T, NATIVE_ENCODE, NUM_WARPS
+    from pdserve.kernels.fp8_ds_mla import BLOCK_T, NUM_WARPS, _encode_launch
 
     def kernel():
         from pdserve.kernels import fp8_ds_mla_triton
@@ -95,9 +95,9 @@ def _codec(name: str, native: bool) -> Variant:
 
     sig = dict(item.split(":") for item in _CODEC_SIGNATURES[name])
     block_t, warps = BLOCK_T, NUM_WARPS
-    codec, kind = name.split("_")[1], (name.split("_")[2:] or ["legacy"])[0]
-    if native and name.startswith("encode") and NATIVE_ENCODE[codec][0].split("-")[0] == kind:
-        block_t, warps = NATIVE_ENCODE[codec][1:]
+    if name.startswith("encode"):  # the launch encode_*_triton picks for this kernel's variant
+        _, codec, *kind = name.split("_")
+        _, block_t, warps = _encode_launch(codec, native, (kind or ["legacy"])[0], None, None)
     constexprs: dict[str, Any] = {"BLOCK_T": block_t}
     if name.endswith("float"):
         constexprs["NAN_FIX"] = True
@@ -140,31 +140,28 @@ def _compile(variant: Variant, cc: int) -> dict[str, Any]:
             "hopper_only": [op for op in HOPPER_ONLY if op in ptx]}
 
 
-def _root_cause(exc: BaseException) -> str:
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, then each error it was raised from or while handling."""
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _root_cause(exc: BaseException, width: int | None = 200) -> str:
     """The innermost error's last line: Triton wraps the reason in source excerpts."""
-    while exc.__cause__ or exc.__context__:
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    *_, exc = _chain(exc)
     lines = str(exc).strip().splitlines() or [type(exc).__name__]
-    return lines[-1][:200]
+    return lines[-1][:width]
 
 
 def _pre_sm89_reason(exc: BaseException) -> str | None:
     """Why a native variant failed to build, if it is the expected pre-sm89 reason."""
-    texts = []
-    while exc is not None:
-        texts.append(str(exc))
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    text = "\n".join(texts)
-    if "fp8e4nv" in _root_cause_text(texts[-1]):
+    if "fp8e4nv" in _root_cause(exc, width=None):
         return "no fp8e4nv"
+    text = "\n".join(map(str, _chain(exc)))
     if re.search(r"Feature 'cvt with \.e4m3x2[^']*' requires \.target sm_89", text):
         return "ptxas: e4m3x2 cvt"
     return None
-
-
-def _root_cause_text(text: str) -> str:
-    lines = text.strip().splitlines() or [""]
-    return lines[-1]
 
 
 def _problems(variant: Variant, facts: dict[str, Any]) -> list[str]:

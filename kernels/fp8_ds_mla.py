@@ -279,22 +279,22 @@ def encode_v32_triton(latent: torch.Tensor, rope: torch.Tensor, out: torch.Tenso
         return out
     is_native = _use_native(native, latent.device)
     variant, block_t, num_warps = _encode_launch("v32", is_native, variant, block_t, num_warps)
-    grid = (-(-tokens // block_t),)
+    launch = _launch(tokens, block_t, num_warps)
+    grid = launch.pop("grid")
     if variant == "words":
         lat64, rope32 = _words(latent, torch.int64), _words(rope, torch.int32)
         if lat64 is not None and rope32 is not None:
             k.encode_v32_words_kernel[grid](
                 lat64, rope32, rows.view(torch.int32), tokens, lat64.stride(0), rope32.stride(0),
-                BLOCK_T=block_t, num_warps=num_warps)
+                **launch)
             return out
         variant = "float"
     args = (latent.view(torch.int16), rope.view(torch.int16), rows, rows.view(torch.int32),
             rows.view(torch.int16), tokens, latent.stride(0), rope.stride(0))
     if variant == "legacy":
-        k.encode_v32_kernel[grid](*args, BLOCK_T=block_t, NATIVE=is_native, num_warps=num_warps)
+        k.encode_v32_kernel[grid](*args, NATIVE=is_native, **launch)
     else:
-        k.encode_v32_float_kernel[grid](*args, BLOCK_T=block_t, NAN_FIX=variant == "float",
-                                        num_warps=num_warps)
+        k.encode_v32_float_kernel[grid](*args, NAN_FIX=variant == "float", **launch)
     return out
 
 
@@ -328,24 +328,24 @@ def encode_v4_triton(latent: torch.Tensor, rope: torch.Tensor, block_size: int =
         return pages
     is_native = _use_native(native, latent.device)
     variant, block_t, num_warps = _encode_launch("v4", is_native, variant, block_t, num_warps)
-    grid = (-(-tokens // block_t),)
+    launch = _launch(tokens, block_t, num_warps)
+    grid = launch.pop("grid")
     if variant == "words":
         lat64, rope32 = _words(latent, torch.int64), _words(rope, torch.int32)
         pages32 = _words(pages, torch.int32) if page_stride % 4 == 0 else None
         if lat64 is not None and rope32 is not None and pages32 is not None:
             k.encode_v4_words_kernel[grid](
                 lat64, rope32, pages, pages32, tokens, lat64.stride(0), rope32.stride(0), page_stride,
-                BLOCK_SIZE=block_size, BLOCK_T=block_t, num_warps=num_warps)
+                BLOCK_SIZE=block_size, **launch)
             return pages
         variant = "float"
     args = (latent.view(torch.int16), rope.view(torch.int16), pages, pages.view(torch.int16),
             tokens, latent.stride(0), rope.stride(0), page_stride)
     if variant == "legacy":
-        k.encode_v4_kernel[grid](*args, BLOCK_SIZE=block_size, BLOCK_T=block_t, NATIVE=is_native,
-                                 num_warps=num_warps)
+        k.encode_v4_kernel[grid](*args, BLOCK_SIZE=block_size, NATIVE=is_native, **launch)
     else:
-        k.encode_v4_float_kernel[grid](*args, BLOCK_SIZE=block_size, BLOCK_T=block_t,
-                                       NAN_FIX=variant == "float", num_warps=num_warps)
+        k.encode_v4_float_kernel[grid](*args, BLOCK_SIZE=block_size, NAN_FIX=variant == "float",
+                                       **launch)
     return pages
 
 
