@@ -6,7 +6,7 @@ loopback, and copies the same bytes with numpy (memcpy) in the same run. Loads
 land where the connector reads them from: over shared memory in caller-provided
 buffers (`get(..., out=...)`: an arena slot is reused once its lease ends), over
 TCP in the received frames, verified (the connector scatters straight from them).
-A last row per size moves the same bytes over ZMQ on TCP loopback between two
+A last row per size moves as many bytes, in distinct buffers, over ZMQ on TCP loopback between two
 processes with no store, no copy and no checksum: the ceiling any TCP path has on
 this machine, so the store's TCP figures can be read against it.
 Each figure is the best of --repeat runs, since the machine may be shared. The
@@ -118,12 +118,16 @@ def bench_case(url: str, token: str | None, shm: bool, src: list[np.ndarray], ds
 
 
 def _zmq_sender(port: int, size: int, count: int) -> None:
-    """Child process of `zmq_ceiling`: on each request, send `count` frames of `size` bytes, zero-copy."""
-    payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    """Child process of `zmq_ceiling`: on each request, send `count` distinct frames of `size` bytes,
+    zero-copy (distinct, as the store's cases send: one buffer sent again and again would be read
+    from cache and overstate the ceiling for objects that fit in it)."""
+    keep_large_buffers()
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(count)]
     with zmq.Context() as ctx, ctx.socket(zmq.PAIR) as sock:
         sock.connect(f"tcp://127.0.0.1:{port}")
         while sock.recv() == b"go":
-            for _ in range(count):
+            for payload in payloads:
                 sock.send(payload, copy=False)
 
 

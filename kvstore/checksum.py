@@ -4,11 +4,14 @@ xxh3-64 hashes several times faster than memcpy, so a checked copy costs what it
 memory traffic costs. Two ways to do it, picked by the cores this process may use:
 - spare cores: copy on the calling thread while a helper thread hashes the same
   sources (both release the GIL), so a checked copy costs about one plain copy; on a
-  16-core host this gave shm stores 0.79-0.96x memcpy, the one-thread way 0.56-0.72x.
-- two cores or fewer: walk each payload in cache-sized blocks, hashing a block (which
-  pulls it into cache) and then copying it from cache, on one thread; on the 2-core
-  dev VM this gave shm stores 0.80-1.0x memcpy against 0.63-0.76x for the helper
-  thread, which there competes with the ZMQ I/O threads for the same cores.
+  16-core Xeon host a checked copy ran at 1.03-1.06x memcpy this way, 0.76-0.82x the
+  one-thread way.
+- two cores or fewer: walk each payload in 256 KiB blocks, hashing a block (which
+  pulls it into the core's L2 cache) and then copying it from cache, on one thread;
+  on the 2-core dev VM (1 MiB L2 per core) this ran at 0.85-1.08x memcpy against
+  0.62-0.85x for the helper thread, which there competes with the ZMQ I/O threads for
+  the same cores. 1 MiB blocks gave 0.80-0.92x: a block and its copy must both fit in
+  L2 (on that VM shm stores of 1 MiB objects went from 0.63-0.72x to 0.69-0.78x).
 The checksum guards against torn or corrupt L2 files and against a same-host client
 scribbling over shared memory; it is not a cryptographic guarantee.
 """
@@ -22,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-BLOCK_BYTES = 1 << 20  # one-thread way: hashed then copied while still in cache
+BLOCK_BYTES = 256 << 10  # one-thread way: hashed then copied while still in the core's own (L2) cache
 PARALLEL_MIN_BYTES = 1 << 20  # below this a thread hand-off costs more than it saves
 
 
