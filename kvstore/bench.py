@@ -6,9 +6,11 @@ loopback, and copies the same bytes with numpy (memcpy) in the same run. Loads
 land where the connector reads them from: over shared memory in caller-provided
 buffers (`get(..., out=...)`: an arena slot is reused once its lease ends), over
 TCP in the received frames, verified (the connector scatters straight from them).
-A last row per size moves as many bytes, in distinct buffers, over ZMQ on TCP loopback between two
-processes with no store, no copy and no checksum: the ceiling any TCP path has on
-this machine, so the store's TCP figures can be read against it.
+Two last rows per size move as many bytes, in distinct buffers, between two processes
+over TCP loopback with no store and no checksum: over ZMQ, and over a plain socket
+received straight into place (recv_into). They are the ceilings of a TCP path on the
+machine the bench runs on, through ZMQ and through any socket, so the store's TCP
+figures can be read against them.
 Each figure is the best of --repeat runs, since the machine may be shared. The
 bench process tunes its malloc as the server does (pdserve.kvstore.malloc): without
 it, TCP loads of large objects pay a page fault per page of every received message.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -117,13 +120,17 @@ def bench_case(url: str, token: str | None, shm: bool, src: list[np.ndarray], ds
     return store_s, load_s
 
 
-def _zmq_sender(port: int, size: int, count: int) -> None:
-    """Child process of `zmq_ceiling`: on each request, send `count` distinct frames of `size` bytes,
-    zero-copy (distinct, as the store's cases send: one buffer sent again and again would be read
-    from cache and overstate the ceiling for objects that fit in it)."""
-    keep_large_buffers()
+def _payloads(size: int, count: int) -> list[np.ndarray]:
+    """Distinct buffers, as the store's cases send: one buffer sent again and again would be read
+    from cache and overstate a ceiling for objects that fit in it."""
     rng = np.random.default_rng(0)
-    payloads = [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(count)]
+    return [rng.integers(0, 255, size, dtype=np.uint8) for _ in range(count)]
+
+
+def _zmq_sender(port: int, size: int, count: int) -> None:
+    """Child process of `zmq_ceiling`: on each b"go", send `count` frames of `size` bytes, zero-copy."""
+    keep_large_buffers()
+    payloads = _payloads(size, count)
     with zmq.Context() as ctx, ctx.socket(zmq.PAIR) as sock:
         sock.connect(f"tcp://127.0.0.1:{port}")
         while sock.recv() == b"go":
@@ -131,14 +138,33 @@ def _zmq_sender(port: int, size: int, count: int) -> None:
                 sock.send(payload, copy=False)
 
 
+def _socket_sender(port: int, size: int, count: int) -> None:
+    """Child process of `socket_ceiling`: on each b"g", write `count` buffers of `size` bytes."""
+    payloads = _payloads(size, count)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        while sock.recv(1) == b"g":
+            for payload in payloads:
+                sock.sendall(payload)
+
+
+@contextmanager
+def _sender(target, port: int, size: int, count: int) -> Iterator[None]:
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=(port, size, count))
+    proc.start()
+    try:
+        yield
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
 def zmq_ceiling(size: int, count: int, repeat: int) -> float:
     """Seconds (best of `repeat`) for another process to send count x size bytes over ZMQ on TCP loopback."""
     with zmq.Context() as ctx, ctx.socket(zmq.PAIR) as sock:
         sock.setsockopt(zmq.LINGER, 0)
         port = sock.bind_to_random_port("tcp://127.0.0.1")
-        sender = multiprocessing.get_context("spawn").Process(target=_zmq_sender, args=(port, size, count))
-        sender.start()
-        try:
+        with _sender(_zmq_sender, port, size, count):
 
             def move() -> None:
                 sock.send(b"go")
@@ -146,11 +172,41 @@ def zmq_ceiling(size: int, count: int, repeat: int) -> float:
                     if len(sock.recv(copy=False)) != size:
                         raise SystemExit("zmq ceiling: short frame")
 
-            move()  # connect and warm the buffers
-            return _best(repeat, move)
-        finally:
-            sock.send(b"stop")
-            sender.join(10)
+            try:
+                move()  # connect and warm the buffers
+                return _best(repeat, move)
+            finally:
+                sock.send(b"stop")
+
+
+def socket_ceiling(dst: list[np.ndarray], repeat: int) -> float:
+    """Seconds (best of `repeat`) for another process to write len(dst) buffers over a plain TCP loopback
+    socket, received straight into `dst` (recv_into): what a payload channel with no copy of its own
+    beside the ZMQ one could reach at best."""
+    size = dst[0].nbytes
+    with socket.create_server(("127.0.0.1", 0)) as server, _sender(
+        _socket_sender, server.getsockname()[1], size, len(dst)
+    ):
+        server.settimeout(30)
+        conn, _ = server.accept()
+        with conn:
+            views = [memoryview(d).cast("B") for d in dst]
+
+            def move() -> None:
+                conn.sendall(b"g")
+                for view in views:
+                    got = 0
+                    while got < size:
+                        n = conn.recv_into(view[got:])
+                        if not n:
+                            raise SystemExit("socket ceiling: sender closed")
+                        got += n
+
+            try:
+                move()
+                return _best(repeat, move)
+            finally:
+                conn.sendall(b"s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -180,8 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 store_s, load_s = bench_case(url, args.auth_token, shm, src, dst, batch, args.repeat)
                 rows.append((f"{obj_mib} MiB", name, nbytes / store_s / 1e9, nbytes / load_s / 1e9))
             rows.append((f"{obj_mib} MiB", "memcpy", memcpy_gbs, memcpy_gbs))
-            zmq_gbs = nbytes / zmq_ceiling(size, n, args.repeat) / 1e9
-            rows.append((f"{obj_mib} MiB", "zmq tcp alone", zmq_gbs, zmq_gbs))
+            for name, seconds in (("zmq tcp alone", zmq_ceiling(size, n, args.repeat)),
+                                  ("socket tcp alone", socket_ceiling(dst, args.repeat))):
+                rows.append((f"{obj_mib} MiB", name, nbytes / seconds / 1e9, nbytes / seconds / 1e9))
             print(f"{obj_mib} MiB objects x {n}: memcpy {memcpy_gbs:.2f} GB/s", file=sys.stderr)
     print(_table(rows))
     return 0

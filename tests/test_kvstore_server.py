@@ -413,5 +413,6 @@ def test_l2_spill_restart_and_corrupt_file(tmp_path: Path) -> None:
 def test_bench_runs_and_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_main(["--total-mib", "4", "--object-mib", "1", "2", "--repeat", "1"]) == 0
     table = capsys.readouterr().out
-    for row in ("| 1 MiB | shm |", "| 1 MiB | tcp |", "| 2 MiB | memcpy |", "| 2 MiB | zmq tcp alone |"):
+    for row in ("| 1 MiB | shm |", "| 1 MiB | tcp |", "| 2 MiB | memcpy |", "| 2 MiB | zmq tcp alone |",
+                "| 2 MiB | socket tcp alone |"):
         assert row in table
