@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 PREFIX = "pdserve_kvstore"
+PATHS = ("shm", "tcp")  # how payloads travel: the shared-memory arena or TCP frames
 
 
 class Metrics:
@@ -20,8 +21,11 @@ class Metrics:
         self.hits = Counter(f"{PREFIX}_hits", "Objects found by get, by tier", ["tier"], registry=r)
         self.misses = Counter(f"{PREFIX}_misses", "Objects not found by get", registry=r)
         self.lookup_hits = Counter(f"{PREFIX}_lookup_hit_chunks", "Chunks matched by lookups", registry=r)
-        self.bytes_in = Counter(f"{PREFIX}_bytes_in", "Payload bytes stored, by path (shm, tcp)", ["path"], registry=r)
-        self.bytes_out = Counter(f"{PREFIX}_bytes_out", "Payload bytes loaded, by path (shm, tcp)", ["path"], registry=r)
+        # bound per path once: these count every object moved, and labels() costs more than inc()
+        bytes_in = Counter(f"{PREFIX}_bytes_in", "Payload bytes stored, by path (shm, tcp)", ["path"], registry=r)
+        bytes_out = Counter(f"{PREFIX}_bytes_out", "Payload bytes loaded, by path (shm, tcp)", ["path"], registry=r)
+        self.bytes_in = {path: bytes_in.labels(path) for path in PATHS}
+        self.bytes_out = {path: bytes_out.labels(path) for path in PATHS}
         self.evictions = Counter(f"{PREFIX}_evictions", "Objects evicted, by tier", ["tier"], registry=r)
         self.refused = Counter(f"{PREFIX}_refused", "Objects refused (too large, no room)", registry=r)
         self.corrupt = Counter(

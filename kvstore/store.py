@@ -189,7 +189,7 @@ class Store:
                 obj.checksum = cs
                 self.l1.unlease(obj)
                 self.l1.insert(cid, obj)
-                self.metrics.bytes_in.labels("tcp").inc(obj.size)
+                self.metrics.bytes_in["tcp"].inc(obj.size)
         return stored, errors
 
     def reserve(self, ns: str, items: Sequence[p.ItemMeta]) -> p.Reserved:
@@ -233,7 +233,7 @@ class Store:
                 tail.pending -= 1
             else:
                 self.l1.insert(lease.target, obj)
-            self.metrics.bytes_in.labels("shm").inc(obj.size)
+            self.metrics.bytes_in["shm"].inc(obj.size)
             stored.append(True)
             errors.append(None)
         return stored, errors
@@ -269,7 +269,7 @@ class Store:
         or until ZMQ has sent the frame (`sent`; a vanished peer's frames are dropped, which ends it too)."""
         obj.leases += 1
         out.objs.append(obj)
-        self.metrics.bytes_out.labels("shm" if shm else "tcp").inc(obj.size)
+        self.metrics.bytes_out["shm" if shm else "tcp"].inc(obj.size)
         if not shm:
             self.sending += 1
             return p.Found(obj.id, obj.size, obj.checksum)
@@ -379,7 +379,7 @@ class Store:
         for obj, cs in zip(objs, copy_all([self.l1.view(obj) for obj in objs], frames)):
             obj.checksum = cs
             self.l1.unlease(obj)
-            self.metrics.bytes_in.labels("tcp").inc(obj.size)
+            self.metrics.bytes_in["tcp"].inc(obj.size)
 
     def reserve_tail(self, ns: str, request_id: str, items: Sequence[p.TailItem], ttl_s: float | None) -> p.Reserved:
         tail = self._new_tail(ns, request_id, items, ttl_s)

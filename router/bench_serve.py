@@ -33,6 +33,7 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 from tqdm import tqdm
+
 from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.ports import free_port
 
