@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.kvstore.connector_plan import UNALLOCATED
-from pdserve.kvstore.connector_worker import GroupCache
+from pdserve.kvstore.connector_cache import GroupCache
 
 
 def _cache(row_bytes: int, num_blocks: int = 12, layers: int = 3) -> list[torch.Tensor]:
