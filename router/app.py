@@ -141,7 +141,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         try:
             if not _authorized(router, request):
                 raise RouterError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
-            raw = await read_body(request, cfg.max_request_bytes)
+            raw = await read_body(request, cfg.max_request_bytes, cfg.body_timeout)
             body = validate(route, raw)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             call = Call(route=route, raw=raw, body=body, request_id=request_id)

@@ -5,12 +5,18 @@ Flow for one request:
    (`--pd-min-prompt-tokens`) or mostly in the KV store already; else P/D.
 2. Prefill leg: the client's body with `max_tokens=1`, `stream=false`,
    `kv_transfer_params={"do_remote_decode": true}` and `return_token_ids`, under the
-   same X-Request-Id as the decode leg. Connection errors and 5xx move it to another
-   prefill worker; when none is left the request falls back to decode-only.
+   same X-Request-Id as the decode leg. Transport failures and 5xx replies move it
+   to another prefill worker; when none is left the request falls back to
+   decode-only.
 3. Decode leg: the client's body plus the prefill's `kv_transfer_params` and the
    prompt token ids (vLLM then skips re-rendering the prompt, so both legs see the
    same tokens). Before the first token any failure moves it to another decode
    worker; after it, the stream ends with an OpenAI error event.
+
+A 5xx reply is tried on one more worker (the first may be broken in a way its
+health check does not show), but a request that gets an error reply from
+`ERROR_REPLY_WORKERS` workers is the request's fault: the client gets that reply,
+and no worker is blamed for it (see breaker.py).
 
 The decode stream is relayed as the bytes arrive: only events before the first token
 are parsed (to tell a role-only chunk from a token and to keep a retry invisible);
@@ -41,7 +47,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Lease, Policy, Pool, RouteContext
 from pdserve.router.store import StoreView
 from pdserve.router.tokens import PromptTokens
-from pdserve.router.upstream import UPSTREAM_ERRORS, describe, is_hard_failure
+from pdserve.router.upstream import UPSTREAM_ERRORS, describe
 
 log = logging.getLogger("pdserve.router.flow")
 
@@ -51,6 +57,7 @@ T = TypeVar("T")
 
 # Fields of the client's body that would contradict a one-token, unstreamed prefill.
 _PREFILL_DROP = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "best_of")
+ERROR_REPLY_WORKERS = 2
 
 
 class ClientGone(Exception):
@@ -103,7 +110,26 @@ def _forks(body: dict[str, Any]) -> bool:
     return (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1 or bool(body.get("use_beam_search"))
 
 
-def _has_token(buf: bytes) -> bool:
+def _carries_token(route: Route, choice: Any) -> bool:
+    """True when a stream choice reports generated tokens, even ones whose text is still empty.
+
+    A token that ends inside a UTF-8 character comes with empty text, so text alone
+    would hold such chunks back. On completions every choice reports output; on
+    chat the one choice that does not is the role announcement opening the stream.
+    """
+    if not isinstance(choice, dict):
+        return True  # not ours to judge: relay it
+    if choice.get("finish_reason") or choice.get("logprobs") or choice.get("token_ids"):
+        return True
+    if route == "completions":
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return True
+    return "role" not in delta or any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls"))
+
+
+def _has_token(route: Route, buf: bytes) -> bool:
     """True once the SSE bytes hold an event that carries output (or ends the stream)."""
     for event in buf.split(b"\n\n")[:-1]:  # the last piece is incomplete
         for line in event.split(b"\n"):
@@ -114,16 +140,13 @@ def _has_token(buf: bytes) -> bool:
                 return True
             try:
                 obj = msgspec.json.decode(data)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 return True  # not ours to judge: relay it
             if not isinstance(obj, dict) or "error" in obj:
                 return True
-            for choice in obj.get("choices") or ():
-                if choice.get("finish_reason") or choice.get("text"):
-                    return True
-                delta = choice.get("delta") or {}
-                if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
-                    return True
+            choices = obj.get("choices") or ()
+            if not isinstance(choices, list) or any(_carries_token(route, c) for c in choices):
+                return True
     return False
 
 
@@ -262,6 +285,7 @@ class PDFlow:
         payload = msgspec.json.encode(prefill_body(call.body))
         headers = {**self.headers, "X-Request-Id": call.request_id}
         tried: set[str] = set()
+        error_replies = 0
         while True:
             try:
                 lease = await self.prefill.acquire(self.prefill_policy, ctx, exclude=tried)
@@ -279,16 +303,17 @@ class PDFlow:
                     ) as resp:
                         status, content = resp.status, await resp.read()
                 except UPSTREAM_ERRORS as exc:
-                    lease.release(False, hard=is_hard_failure(exc))
+                    lease.failed(exc)
                     log.warning("prefill on %s failed (%s); trying another worker", lease.worker.url, describe(exc))
                     self.metrics.retries.labels("prefill").inc()
                     continue
-                if status >= 500:
-                    lease.release(False)
+                lease.answered()
+            if status >= 500:
+                error_replies += 1
+                if error_replies < ERROR_REPLY_WORKERS:
                     log.warning("prefill on %s answered %d; trying another worker", lease.worker.url, status)
                     self.metrics.retries.labels("prefill").inc()
                     continue
-                lease.release(True)
             if status != 200:  # the request's fault: the client gets the worker's error
                 raise UpstreamResponse(status, content)
             self.metrics.leg.labels("prefill").observe(time.perf_counter() - t)
@@ -318,6 +343,7 @@ class PDFlow:
         """Send the decode leg and wait for its headers, moving on from workers that fail (nothing is sent yet)."""
         headers = {**self.headers, "X-Request-Id": call.request_id}
         last: RouterError | None = None
+        error_replies = 0
         while True:
             try:
                 lease = await self.decode.acquire(self.decode_policy, ctx, exclude=tried)
@@ -331,21 +357,26 @@ class PDFlow:
                     lease.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.decode_timeout
                 )
             except UPSTREAM_ERRORS as exc:
-                lease.release(False, hard=is_hard_failure(exc))
+                lease.failed(exc)
                 last = RouterError(502, f"decode worker failed: {describe(exc)}")
             except BaseException:
-                lease.release(None)
+                lease.abandon()
                 raise
             else:
                 if resp.status < 500:
                     return DecodeLeg(lease, resp, payload, ctx, tried, t, t_prefill_done)
                 try:
                     last = UpstreamResponse(resp.status, await resp.read())
+                    lease.answered()
+                    error_replies += 1
                 except UPSTREAM_ERRORS as exc:
+                    lease.failed(exc)
                     last = RouterError(502, f"decode worker failed: {describe(exc)}")
                 finally:
                     resp.close()
-                    lease.release(False)
+                    lease.abandon()  # only when cancelled: the lines above gave the verdict otherwise
+                if error_replies >= ERROR_REPLY_WORKERS:
+                    raise last
             log.warning("decode on %s failed (%s); trying another worker", lease.worker.url, last.message)
             self.metrics.retries.labels("decode").inc()
 
@@ -356,16 +387,16 @@ class PDFlow:
                 body = await leg.resp.read()
                 break
             except UPSTREAM_ERRORS as exc:
-                leg.lease.release(False, hard=is_hard_failure(exc))
+                leg.lease.failed(exc)
                 leg.resp.close()
                 self.metrics.retries.labels("decode").inc()
                 leg = await self._open_decode(call, leg.payload, leg.ctx, leg.tried, leg.t_prefill_done)
             except BaseException:
-                leg.lease.release(None)
+                leg.lease.abandon()
                 leg.resp.close()
                 raise
         status = leg.resp.status
-        leg.lease.release(status < 500)
+        leg.lease.answered()
         if status == 200:
             call.finished = True
             self.metrics.leg.labels("decode").observe(time.perf_counter() - leg.t_sent)
@@ -391,7 +422,7 @@ class PDFlow:
                             yield chunk
                             continue
                         pending += chunk
-                        if _has_token(pending):
+                        if _has_token(call.route, pending):
                             first, t_last = True, now
                             relayed_done = b"data: [DONE]" in pending
                             try:
@@ -400,12 +431,12 @@ class PDFlow:
                                 self._observe_first_token(call, leg, now, time.perf_counter() - now)
                     if pending and not first:
                         yield pending  # a stream without any token (e.g. max_tokens=0): relay as is
-                    leg.lease.release(True)
+                    leg.lease.answered()
                     call.finished = True
                     outcome = "200"
                     return
                 except UPSTREAM_ERRORS as exc:
-                    leg.lease.release(False, hard=is_hard_failure(exc))
+                    leg.lease.failed(exc)
                     leg.resp.close()
                     if first:
                         outcome = "502"
@@ -422,7 +453,7 @@ class PDFlow:
                     if leg.resp.status != 200:
                         outcome = str(leg.resp.status)
                         body = await leg.resp.read()
-                        leg.lease.release(True)
+                        leg.lease.answered()
                         yield UpstreamResponse(leg.resp.status, body).sse_event()
                         return
         finally:
@@ -430,9 +461,9 @@ class PDFlow:
             if outcome == "499" and relayed_done:  # served whole; the client left before the upstream's EOF
                 outcome = "200"
                 call.finished = True
-                leg.lease.release(True)
+                leg.lease.answered()
             # Closing (not releasing) an unfinished response drops its connection, which aborts the request.
-            leg.lease.release(None)
+            leg.lease.abandon()
             leg.resp.close()
             self.metrics.requests.labels(call.route, outcome).inc()
             self._end(call)

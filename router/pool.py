@@ -8,9 +8,11 @@ requests waiting for a slot; beyond that the caller gets 429 with Retry-After
 instead of an unbounded wait.
 
 A worker takes requests only while it is healthy and its circuit breaker is
-closed. A connection failure marks it unhealthy at once (the next health check
-brings it back); other failures open the breaker after `breaker_failures` in a row,
-for `breaker_cooldown` seconds.
+closed. A lease ends with a verdict on the worker's transport (breaker.py says
+which failures count): a refused or reset connection marks the worker unhealthy at
+once (the next passing health check brings it back), and `breaker_failures`
+transport failures in a row open its breaker for `breaker_cooldown` seconds. An
+HTTP error reply is an answer, not a failure.
 """
 
 from __future__ import annotations
@@ -21,14 +23,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Protocol, Sequence
 
+from pdserve.router.breaker import Breaker
 from pdserve.router.config import RouterConfig
 from pdserve.router.discovery import Role, WorkerRecord
 from pdserve.router.errors import RouterError, no_worker, overloaded
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.upstream import is_hard_failure
 
 log = logging.getLogger("pdserve.router.pool")
 
 Source = Literal["static", "redis"]
+# How a lease ended, for the worker's health: it answered over HTTP (any status); its transport failed
+# (unreachable: refused, reset or cut off); or no verdict (the client left, or the router gave up first).
+Verdict = Literal["answered", "failed", "unreachable", "abandoned"]
 
 
 @dataclass(eq=False)
@@ -44,8 +51,9 @@ class Worker:
     inflight_tokens: int = 0
     served: int = 0
     healthy: bool = False  # no request before the first health check passes
-    failures: int = 0
-    open_until: float = 0.0  # circuit breaker: closed when now >= open_until
+    breaker: Breaker = field(
+        default_factory=lambda: Breaker(RouterConfig.breaker_failures, RouterConfig.breaker_cooldown)
+    )
 
     @property
     def models(self) -> set[str] | None:
@@ -54,7 +62,7 @@ class Worker:
         return {str(card.get("id")) for card in self.model_cards}
 
     def available(self, now: float) -> bool:
-        return self.healthy and now >= self.open_until
+        return self.healthy and self.breaker.closed(now)
 
     def serves(self, model: str | None) -> bool:
         models = self.models
@@ -75,7 +83,7 @@ class Policy(Protocol):
 
 
 class Lease:
-    """A slot held on one worker; release it exactly once with the outcome."""
+    """A slot held on one worker; the first of answered/failed/abandon releases it, later calls do nothing."""
 
     def __init__(self, pool: "Pool", worker: Worker, tokens: int) -> None:
         self.pool = pool
@@ -83,18 +91,28 @@ class Lease:
         self.tokens = tokens
         self._released = False
 
-    def release(self, ok: bool | None, *, hard: bool = False) -> None:
-        """ok=True: success; False: a worker failure (hard: it is unreachable); None: no verdict (abort)."""
-        if self._released:
-            return
-        self._released = True
-        self.pool._release(self, ok, hard)
+    def answered(self) -> None:
+        """The worker replied over HTTP, whatever the status: an error reply is the request's, not the worker's."""
+        self._release("answered")
+
+    def failed(self, exc: BaseException) -> None:
+        """A transport failure talking to the worker (`exc` as raised by the HTTP client)."""
+        self._release("unreachable" if is_hard_failure(exc) else "failed")
+
+    def abandon(self) -> None:
+        """No verdict on the worker: the request ended for reasons of its own."""
+        self._release("abandoned")
+
+    def _release(self, verdict: Verdict) -> None:
+        if not self._released:
+            self._released = True
+            self.pool._release(self, verdict)
 
     def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release(None)
+        self.abandon()
 
 
 class Pool:
@@ -110,7 +128,12 @@ class Pool:
 
     def add_static(self, urls: Iterable[str]) -> None:
         for url in urls:
-            self.workers.setdefault(url, Worker(id=url, role=self.role, url=url, source="static"))
+            if url not in self.workers:
+                self.workers[url] = self._new_worker(url, url, "static")
+
+    def _new_worker(self, wid: str, url: str, source: Source) -> Worker:
+        breaker = Breaker(self.cfg.breaker_failures, self.cfg.breaker_cooldown)
+        return Worker(id=wid, role=self.role, url=url, source=source, breaker=breaker)
 
     def sync_redis(self, records: Iterable[WorkerRecord]) -> list[Worker]:
         """Make this pool's Redis-sourced workers equal `records`; returns the workers that are new."""
@@ -124,7 +147,7 @@ class Pool:
             if w is None or w.url != rec.url.rstrip("/"):
                 if w is not None:
                     self._remove(wid)
-                w = Worker(id=wid, role=self.role, url=rec.url.rstrip("/"), source="redis")
+                w = self._new_worker(wid, rec.url.rstrip("/"), "redis")
                 self.workers[wid] = w
                 new.append(w)
             w.kvstore_url = rec.kvstore_url or w.kvstore_url
@@ -144,10 +167,10 @@ class Pool:
         """Apply a health check; a passing check after the cooldown closes the breaker."""
         now = time.monotonic()
         was = w.available(now)
-        if ok and now >= w.open_until:
-            w.healthy, w.failures = True, 0
-        elif not ok:
+        if not ok:
             w.healthy = False
+        elif w.breaker.health_passed(now):
+            w.healthy = True
         self._publish(w)
         if w.available(now) != was:
             log.info("%s worker %s is %s", self.role, w.id, "up" if w.available(now) else "down")
@@ -228,21 +251,19 @@ class Pool:
         self.metrics.inflight.labels(self.role, w.id).set(w.inflight)
         return Lease(self, w, tokens)
 
-    def _release(self, lease: Lease, ok: bool | None, hard: bool) -> None:
+    def _release(self, lease: Lease, verdict: Verdict) -> None:
         w = lease.worker
         w.inflight -= 1
         w.inflight_tokens -= lease.tokens
-        if ok is True:
-            w.failures = 0
-        elif ok is False:
-            w.failures += 1
-            if hard:
+        if verdict == "answered":
+            w.breaker.succeeded()
+        elif verdict in ("failed", "unreachable"):
+            if w.breaker.failed(time.monotonic()):
+                log.warning("%s worker %s failed %d times in a row; breaker open for %g s",
+                            self.role, w.id, w.breaker.failures, w.breaker.cooldown)
+            if verdict == "unreachable" and w.healthy:
                 w.healthy = False
                 log.warning("%s worker %s unreachable; out until a health check passes", self.role, w.id)
-            elif w.failures >= self.cfg.breaker_failures:
-                w.open_until = time.monotonic() + self.cfg.breaker_cooldown
-                log.warning("%s worker %s failed %d times; breaker open for %g s",
-                            self.role, w.id, w.failures, self.cfg.breaker_cooldown)
         self._publish(w)
         self._wake()
 

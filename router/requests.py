@@ -1,13 +1,15 @@
 """Checks on a client's request before any worker sees it.
 
-Only what the router itself depends on is checked here: the body's size, that it is
-a JSON object, and the types of the fields the router reads or rewrites for the
+Only what the router itself depends on is checked here: the body's size and how
+long it takes to arrive, that it is a JSON object nested no deeper than
+`MAX_NESTING`, and the types of the fields the router reads or rewrites for the
 prefill leg. A wrong type there would otherwise surface only at the decode leg,
 after a wasted prefill; everything else is left to vLLM, whose 400s pass through.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -16,21 +18,43 @@ from starlette.requests import Request
 from pdserve.router.errors import RouterError
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
+# Deeper bodies are refused: far deeper than any real request (tool schemas included), and far enough
+# below Python's recursion limit that re-encoding the body or rendering a chat template cannot hit it.
+MAX_NESTING = 128
+_TOO_DEEP = f"request body is nested more than {MAX_NESTING} levels deep"
+# A refused body is not read to its end, so the connection cannot carry another request.
+_CLOSE = {"Connection": "close"}
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) without reading it all."""
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request body: over `limit` bytes is a 413 without reading it all, slower than `timeout` s a 408."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RouterError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        raise RouterError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", headers=_CLOSE)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RouterError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):  # a deadline for the whole body: a trickle of bytes must not reset it
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RouterError(413, f"request body exceeds the limit of {limit} bytes", headers=_CLOSE)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RouterError(408, f"request body not received within {timeout:g} s", headers=_CLOSE) from None
     return b"".join(chunks)
+
+
+def _deeper_than(body: Any, limit: int) -> bool:
+    """True when containers nest more than `limit` levels deep (iterative: deep input must not recurse here)."""
+    stack = [(body, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = obj.values() if isinstance(obj, dict) else obj
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def _is_prompt(prompt: Any) -> bool:
@@ -49,8 +73,13 @@ def validate(route: str, raw: bytes) -> dict[str, Any]:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise RouterError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RouterError(400, _TOO_DEEP) from None
     if not isinstance(body, dict):
         raise RouterError(400, "request body must be a JSON object")
+    # Every container opens with a bracket, so few brackets (strings' included) cannot nest deep: no walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_NESTING and _deeper_than(body, MAX_NESTING):
+        raise RouterError(400, _TOO_DEEP)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RouterError(400, "`model` must be a string", param="model")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import msgspec
 import pytest
 
@@ -140,10 +141,10 @@ async def test_pool_queues_then_refuses_with_429_and_retry_after() -> None:
     with pytest.raises(RouterError) as exc:
         await pool.acquire(policy, _ctx())
     assert exc.value.status == 429 and exc.value.headers["Retry-After"] == "1"
-    first.release(True)
+    first.answered()
     second = await asyncio.wait_for(waiter, 5)
     assert second.worker is first.worker and pool.waiting == 0
-    second.release(True)
+    second.answered()
     assert first.worker.inflight == 0 and first.worker.inflight_tokens == 0
 
 
@@ -153,7 +154,7 @@ async def test_queue_timeout_gives_429() -> None:
     with pytest.raises(RouterError) as exc:
         await pool.acquire(LeastLoaded(), _ctx())
     assert exc.value.status == 429
-    lease.release(True)
+    lease.answered()
 
 
 async def test_breaker_opens_after_repeated_failures_and_hard_failure_marks_down() -> None:
@@ -161,13 +162,13 @@ async def test_breaker_opens_after_repeated_failures_and_hard_failure_marks_down
     w0, w1 = pool.workers.values()
     for _ in range(2):
         lease = await pool.acquire(LeastLoaded(), _ctx(), exclude={w1.id})
-        lease.release(False)
+        lease.failed(asyncio.TimeoutError())
     assert [w.id for w in pool.candidates(None)] == [w1.id]
     pool.set_health(w0, True)  # a passing health check cannot close the breaker before the cooldown
     assert w0 not in pool.candidates(None)
     lease = await pool.acquire(LeastLoaded(), _ctx())
     assert lease.worker is w1
-    lease.release(False, hard=True)
+    lease.failed(aiohttp.ClientConnectionError("refused"))
     with pytest.raises(RouterError) as exc:
         await pool.acquire(LeastLoaded(), _ctx())
     assert exc.value.status == 503
@@ -192,12 +193,12 @@ def test_unknown_model_is_404_once_models_are_known() -> None:
 def test_first_token_detection_skips_the_role_chunk() -> None:
     role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
     token = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
-    assert not _has_token(role)
-    assert not _has_token(role + token[:20])  # incomplete event
-    assert _has_token(role + token)
-    assert _has_token(b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')
-    assert _has_token(b'data: {"error":{"message":"x"}}\n\n')
-    assert _has_token(b"data: [DONE]\n\n")
+    assert not _has_token("chat", role)
+    assert not _has_token("chat", role + token[:20])  # incomplete event
+    assert _has_token("chat", role + token)
+    assert _has_token("completions", b'data: {"choices":[{"index":0,"text":"a"}]}\n\n')
+    assert _has_token("chat", b'data: {"error":{"message":"x"}}\n\n')
+    assert _has_token("chat", b"data: [DONE]\n\n")
 
 
 def test_prefill_body_is_one_unstreamed_token_with_remote_decode() -> None:
