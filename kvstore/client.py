@@ -13,7 +13,9 @@ read is verified against the checksum its writer stored; a mismatch is reported
 to the server (which counts and drops the object) and answered as a miss.
 
 A timeout closes the socket (so a late reply can never be taken for the next
-one's) and raises KVStoreError naming the URL.
+one's) and raises KVStoreUnavailable naming the URL: the timeout is a per-reply
+deadline (a large transfer arrives as several replies), so it can be short enough
+to notice a dead or wedged store within about a second (see store_health).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from pdserve.kvstore.layout import KVLayout
 from pdserve.kvstore.protocol import ServerInfo
 from pdserve.kvstore.shm import Arena, ArenaError
 
-__all__ = ["KVStoreClient", "AsyncKVStoreClient", "KVStoreError", "ServerInfo"]
+__all__ = ["KVStoreClient", "AsyncKVStoreClient", "KVStoreError", "KVStoreUnavailable", "ServerInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,11 @@ class KVStoreError(RuntimeError):
     def __init__(self, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+
+
+class KVStoreUnavailable(KVStoreError):
+    """The store did not answer within the deadline or could not be reached (no reply at all,
+    as opposed to an error reply): the store, not the request, is at fault."""
 
 
 @dataclass
@@ -390,8 +397,8 @@ def _check_len(got: Sequence, want: Sequence, url: str) -> None:
         raise KVStoreError(f"kvstore {url}: reply has {len(got)} items for {len(want)} requested")
 
 
-def _no_reply(url: str, timeout_s: float) -> KVStoreError:
-    return KVStoreError(f"kvstore {url}: no reply within {timeout_s:g} s (is the server running?)")
+def _no_reply(url: str, timeout_s: float) -> KVStoreUnavailable:
+    return KVStoreUnavailable(f"kvstore {url}: no reply within {timeout_s:g} s (is the server running?)")
 
 
 def _new_socket(ctx: zmq.Context, url: str, timeout_s: float) -> zmq.Socket:
@@ -448,7 +455,10 @@ class KVStoreClient:
         except zmq.Again:
             self._reset()
             raise _no_reply(self.url, self.timeout_s) from None
-        except (zmq.ZMQError, msgspec.MsgspecError) as exc:
+        except zmq.ZMQError as exc:
+            self._reset()
+            raise KVStoreUnavailable(f"kvstore {self.url}: {exc}") from exc
+        except msgspec.MsgspecError as exc:
             self._reset()
             raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
 
@@ -564,7 +574,10 @@ class AsyncKVStoreClient:
         except (TimeoutError, zmq.Again):
             self._reset()
             raise _no_reply(self.url, self.timeout_s) from None
-        except (zmq.ZMQError, msgspec.MsgspecError) as exc:
+        except zmq.ZMQError as exc:
+            self._reset()
+            raise KVStoreUnavailable(f"kvstore {self.url}: {exc}") from exc
+        except msgspec.MsgspecError as exc:
             self._reset()
             raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
 

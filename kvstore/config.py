@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,8 @@ class KVStoreConfig:
     lease_timeout_s: float = 60.0  # a client that vanished mid-transfer loses its leases after this
     shm: bool = True  # put the L1 arena in /dev/shm so same-host clients can map it
     log_level: str = "INFO"
+    store_id: str | None = None  # default: hostname/host:port
+    advertise_url: str | None = None  # default: tcp://host:port unless bound to a wildcard address
 
     @property
     def l1_bytes(self) -> int:
@@ -62,11 +65,38 @@ class KVStoreConfig:
             raise ValueError(f"--auth-token is required when binding a non-loopback address ({self.host})")
         if self.tail_ttl_s <= 0 or self.lease_timeout_s <= 0:
             raise ValueError("--tail-ttl-s and --lease-timeout-s must be positive")
+        if self.advertise_url is not None and not _TCP_URL.match(self.advertise_url):
+            raise ValueError(f"--advertise-url must be tcp://HOST:PORT, got {self.advertise_url!r}")
+        if self.store_id is not None and not self.store_id.strip():
+            raise ValueError("--store-id must not be empty")
+
+    @property
+    def identity(self) -> str:
+        """The store's id: unique across hosts even where every host's store has the same URL."""
+        return self.store_id or f"{socket.gethostname()}/{self.host}:{self.port}"
+
+    @property
+    def advertised_url(self) -> str | None:
+        """The URL clients on other hosts use; None when bound to a wildcard address (clients then
+        publish the URL they reach the store at)."""
+        if self.advertise_url:
+            return self.advertise_url
+        return None if _is_wildcard(self.host) else self.zmq_url
 
     @property
     def zmq_url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"tcp://{host}:{self.port}"
+
+
+_TCP_URL = re.compile(r"^tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):\d{1,5}$")
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return host in ("", "*")
 
 
 def is_loopback(host: str) -> bool:
@@ -98,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-timeout-s", type=float, default=d.lease_timeout_s, help="lifetime of a transfer lease")
     p.add_argument("--no-shm", dest="shm", action="store_false", help="keep L1 private (clients use TCP frames)")
     p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--store-id", default=None,
+                   help="this store's id in kv_transfer_params and the router's prefix view (default: HOSTNAME/HOST:PORT)")
+    p.add_argument("--advertise-url", default=None,
+                   help="tcp://HOST:PORT where other hosts reach this store (default: tcp://HOST:PORT of --host and "
+                        "--port unless --host is a wildcard address)")
     return p
 
 

@@ -11,9 +11,9 @@ can also prefill locally and reuse prefixes. The scheduler half (connector_sched
 plans, the worker half (connector_worker) moves bytes; this module wires them into
 vLLM's KVConnectorBase_V1 / SupportsHMA interface and runs the start-up checks.
 
-Extra config keys: kvstore_url (required), auth_token, timeout_s (per store request,
-default 30), handoff_wait_s (how long a decode waits for chunks a prefill is still
-uploading, default 10).
+Extra config keys: kvstore_url (required), auth_token, timeout_s (per store reply,
+default 1: a store that misses it is marked down, see store_health), handoff_wait_s
+(how long a decode waits for chunks a prefill is still uploading, default 10).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
                 'PDServeConnector needs kv_connector_extra_config {"kvstore_url": "tcp://HOST:5556"}'
             )
         token = ktc.get_from_extra_config("auth_token", None)
-        timeout_s = float(ktc.get_from_extra_config("timeout_s", 30.0))
+        timeout_s = float(ktc.get_from_extra_config("timeout_s", 1.0))
         # None: the store's shared memory when it is on this host, else TCP; false forces TCP.
         shm = ktc.get_from_extra_config("kvstore_shm", None)
         if shm not in (None, True, False):

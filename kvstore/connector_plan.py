@@ -63,6 +63,7 @@ class TransferJob:
     tail_id: str | None = None
     wait_s: float = 0.0  # loads: how long to wait for objects a producer promised
     store_url: str | None = None  # loads: the producer's store when it is not our own
+    store_id: str | None = None  # loads: the id the producer's store announced (checked before waiting on it)
 
 
 def plan_objects(

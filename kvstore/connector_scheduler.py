@@ -7,6 +7,11 @@ blocks and the objects to copy out of which blocks.
 Loads are asynchronous (vLLM's waiting-for-remote-KV path): `get_num_new_matched_tokens`
 answers (n, True), vLLM allocates blocks, and the request waits until the workers
 report it received.
+
+Stores are named by id, not URL: every host's store may be tcp://127.0.0.1:5556. A
+producer publishes its store's id and advertised URL in kv_transfer_params; a decode
+loads from its own store only when both name it. A store that is marked down
+(store_health) is not asked at all: lookups find nothing, tails expire by their TTL.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.connector_plan import GroupGeometry, TransferJob, plan_objects
 from pdserve.kvstore.keys import chunk_keys
+from pdserve.kvstore.store_health import StoreDown, health_of
 
 log = logging.getLogger("pdserve.connector")
 
@@ -45,6 +51,7 @@ class LoadPlan:
     tail_id: str | None
     wait_s: float
     store_url: str | None = None  # the producer's store, when it is not ours
+    store_id: str | None = None  # the id the producer's store announced
 
 
 @dataclass
@@ -82,6 +89,11 @@ class SchedulerSide:
         self.loads = loads
         self.handoff_wait_s = handoff_wait_s
         self.client = KVStoreClient(**client_args)
+        self.health = health_of(client_args)
+        info = self.client.info()
+        self.store_id = info.store_id or None
+        # what a decode elsewhere dials; the URL we use when the store binds a wildcard address
+        self.advertise_url = info.advertise_url or self.url
         self.reqs: dict[str, ReqState] = {}
         self.plans: dict[str, LoadPlan] = {}
         self.pending_loads: list[TransferJob] = []
@@ -104,7 +116,10 @@ class SchedulerSide:
         if not keys:
             return 0
         try:
-            return self.client.lookup(self.namespace, keys, self.groups)
+            with self.health.guard():
+                return self.client.lookup(self.namespace, keys, self.groups)
+        except StoreDown:
+            return 0
         except KVStoreError as exc:
             log.warning("store lookup failed, recomputing: %s", exc)
             return 0
@@ -121,9 +136,18 @@ class SchedulerSide:
         end = len(promised) * self.chunk_size
         if tail_id:
             end = len(state.prompt)
-        remote = params.get("kvstore_url")
-        store_url = remote if remote and remote != self.url else None
-        return LoadPlan(len(promised), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s, store_url)
+        store_url, store_id = self._producer_store(params)
+        return LoadPlan(len(promised), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s, store_url, store_id)
+
+    def _producer_store(self, params: dict) -> tuple[str | None, str | None]:
+        """(URL, id) of the store the producer wrote to; URL None when that is our own store."""
+        url, store_id = params.get("kvstore_url"), params.get("kvstore_id")
+        url = url if isinstance(url, str) and url else None
+        store_id = store_id if isinstance(store_id, str) and store_id else None
+        ours = url is None or url in (self.url, self.advertise_url)
+        if ours and (store_id is None or self.store_id is None or store_id == self.store_id):
+            return None, store_id
+        return url or self.url, store_id
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         state = self._state(request)
@@ -167,7 +191,9 @@ class SchedulerSide:
             last_only_for_sliding=True,
             allow_short_table=True,
         )
-        self.pending_loads.append(TransferJob(request.request_id, objects, plan.tail_id, plan.wait_s, plan.store_url))
+        self.pending_loads.append(
+            TransferJob(request.request_id, objects, plan.tail_id, plan.wait_s, plan.store_url, plan.store_id)
+        )
 
     # saving -----------------------------------------------------------------
     def _save_job(self, req_id: str, state: ReqState, computed_end: int) -> TransferJob | None:
@@ -242,7 +268,8 @@ class SchedulerSide:
             return None
         return {
             PARAMS_TAG: 1,
-            "kvstore_url": self.url,
+            "kvstore_url": self.advertise_url,
+            "kvstore_id": self.store_id,
             "namespace": self.namespace,
             "chunk_size": self.chunk_size,
             "chunk_keys": [k.hex() for k in state.keys],
@@ -252,6 +279,9 @@ class SchedulerSide:
 
     def _drop_tail(self, tail_id: str) -> None:
         try:
-            self.client.drop_tail(self.namespace, tail_id)
+            with self.health.guard():
+                self.client.drop_tail(self.namespace, tail_id)
+        except StoreDown:
+            return
         except KVStoreError as exc:
             log.warning("could not drop tail %s (the store's TTL will): %s", tail_id, exc)

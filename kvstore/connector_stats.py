@@ -18,6 +18,8 @@ COUNTERS: dict[str, str] = {
     "failed_loads": "KV loads that failed (missing, corrupt or store unreachable); vLLM recomputed them",
     "loaded_bytes": "KV bytes loaded from the pdserve store",
     "saved_bytes": "KV bytes saved to the pdserve store",
+    "store_timeouts": "KV loads that got no answer from their store within the deadline (it was marked down)",
+    "loads_store_down": "KV loads failed at once because their store was marked down (vLLM recomputed them)",
 }
 
 

@@ -2,9 +2,12 @@
 
 Saves gather the blocks out of the paged cache inside `wait_for_save` (so the blocks
 are free as soon as the step ends) and upload on a background thread. Loads run on
-another background thread: fetch the objects, check every size, scatter into the
-blocks vLLM allocated, then report the request as received. A missing or corrupt
-object is a load error for exactly the blocks it covers, never data.
+a few background threads, so one request waiting for its producer's upload (or for
+a store that stopped answering) holds up no other: fetch the objects, check every
+size, scatter into the blocks vLLM allocated, then report the request as received.
+A missing or corrupt object is a load error for exactly the blocks it covers, never
+data. Every store is a fault domain (store_health): a store that misses a deadline
+is marked down, and loads and saves on it fail at once until it answers again.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from typing import Any
 
 import torch
 
-from pdserve.kvstore.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.client import KVStoreClient, KVStoreError, KVStoreUnavailable
 from pdserve.kvstore.connector_cache import GroupCache
 from pdserve.kvstore.connector_plan import UNALLOCATED, ObjectSpec, TransferJob
 from pdserve.kvstore.connector_stats import StatsCounter
+from pdserve.kvstore.store_health import StoreDown, StoreHealth, health_of
 
 log = logging.getLogger("pdserve.connector")
 
@@ -39,6 +43,8 @@ LOAD_POLL_S = (0.001, 0.002, 0.005, 0.01, 0.02)
 # reports it the moment it lands; the bound keeps a new arrival's wait short.
 IDLE_WAIT_S = 0.01
 NULL_BLOCK = 0
+# Loads in progress at once (each thread has its own clients and staging buffer).
+LOAD_THREADS = 4
 
 
 def _log_failure(exc: Exception, what: str) -> None:
@@ -63,7 +69,7 @@ class LoadOutcome:
 
 
 class WorkerIO:
-    """Background save and load threads for one worker process, each with its own client."""
+    """Background save and load threads for one worker process, each with its own clients."""
 
     def __init__(
         self,
@@ -80,18 +86,22 @@ class WorkerIO:
         self._loads: queue.Queue[TransferJob | None] = queue.Queue()
         self._done: queue.Queue[LoadOutcome] = queue.Queue()
         self.stats = StatsCounter()
-        self._staging: torch.Tensor | None = None  # owned by the load thread
-        self._in_flight = 0  # loads handed to the load thread and not yet reported
-        self._threads = [
-            threading.Thread(target=self._save_loop, name="pdserve-save", daemon=True),
-            threading.Thread(target=self._load_loop, name="pdserve-load", daemon=True),
+        self._local = threading.local()  # each load thread's staging buffer
+        self._write_lock = threading.Lock()  # one scatter into the paged cache at a time
+        self._foreign_stores: set[tuple[str | None, str]] = set()  # (url, id) mismatches already logged
+        self._in_flight = 0  # loads handed to the load threads and not yet reported
+        self._threads = [threading.Thread(target=self._save_loop, name="pdserve-save", daemon=True)] + [
+            threading.Thread(target=self._load_loop, name=f"pdserve-load-{i}", daemon=True) for i in range(LOAD_THREADS)
         ]
         for t in self._threads:
             t.start()
 
     def _client(self, url: str | None = None) -> KVStoreClient:
         """A client of our store, or of `url` (a producer's store on another node)."""
-        return KVStoreClient(**(self.client_args if url is None else {**self.client_args, "url": url}))
+        return KVStoreClient(**self._args(url))
+
+    def _args(self, url: str | None) -> dict[str, Any]:
+        return self.client_args if url is None else {**self.client_args, "url": url}
 
     # saves ----------------------------------------------------------------
     def save(self, job: TransferJob) -> None:
@@ -107,19 +117,23 @@ class WorkerIO:
 
     def _save_loop(self) -> None:
         client: KVStoreClient | None = None
+        health = health_of(self.client_args)
         while (item := self._saves.get()) is not None:
             job, buffers = item
             try:
-                client = client or self._client()
-                chunks = [(o.group, o.key, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is not None]
-                if chunks:
-                    stored = client.put(self.namespace, chunks)
-                    if not all(stored):
-                        log.warning("store refused %d of %d chunks of %s", stored.count(False), len(stored), job.req_id)
-                tail = [(o.group, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is None]
-                if tail and job.tail_id:
-                    client.put_tail(self.namespace, job.tail_id, tail)
+                with health.guard():
+                    client = client or self._client()
+                    chunks = [(o.group, o.key, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is not None]
+                    if chunks:
+                        stored = client.put(self.namespace, chunks)
+                        if not all(stored):
+                            log.warning("store refused %d of %d chunks of %s", stored.count(False), len(stored), job.req_id)
+                    tail = [(o.group, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is None]
+                    if tail and job.tail_id:
+                        client.put_tail(self.namespace, job.tail_id, tail)
                 self.stats.add(saved_bytes=sum(b.numel() for b in buffers))
+            except StoreDown as exc:  # already logged once when it went down
+                log.debug("save of %s dropped: %s", job.req_id, exc)
             except Exception as exc:  # a lost save costs a later recompute; a dead save thread would cost every save
                 _log_failure(exc, f"save of {job.req_id} failed")
                 if client is not None:
@@ -151,32 +165,61 @@ class WorkerIO:
         # to (named in kv_transfer_params), which may be another node's.
         clients: dict[str | None, KVStoreClient] = {}
         while (job := self._loads.get()) is not None:
-            try:
+            self._done.put(self._load_guarded(clients, job))
+
+    def _load_guarded(self, clients: dict[str | None, KVStoreClient], job: TransferJob) -> LoadOutcome:
+        """Load one job unless its store is down; whatever fails, the request is recomputed, never left waiting."""
+        health = health_of(self._args(job.store_url))
+        outcome = LoadOutcome(job.req_id, {b for o in job.objects for b in _targets(o)}, False)  # until loaded
+        timed_out = store_down = False
+        try:
+            with health.guard():
                 if job.store_url not in clients:
                     clients[job.store_url] = self._client(job.store_url)
-                outcome = self._load_one(clients[job.store_url], job)
-            except Exception as exc:  # whatever fails, the request is recomputed; it must never wait forever
-                _log_failure(exc, f"load of {job.req_id} failed, vLLM recomputes it")
-                stale = clients.pop(job.store_url, None)
-                if stale is not None:
-                    stale.close()
-                outcome = LoadOutcome(job.req_id, {b for o in job.objects for b in _targets(o)}, False)
-            self.stats.add(loads=1, failed_loads=int(not outcome.ok), loaded_bytes=outcome.loaded_bytes)
-            self._done.put(outcome)
+                outcome = self._load_one(clients[job.store_url], job, health)
+        except StoreDown as exc:  # logged once when it went down
+            log.debug("load of %s not tried, vLLM recomputes it: %s", job.req_id, exc)
+            store_down = True
+        except Exception as exc:
+            _log_failure(exc, f"load of {job.req_id} failed, vLLM recomputes it")
+            timed_out = isinstance(exc, KVStoreUnavailable)
+            stale = clients.pop(job.store_url, None)
+            if stale is not None:
+                stale.close()
+        self.stats.add(
+            loads=1, failed_loads=int(not outcome.ok), loaded_bytes=outcome.loaded_bytes,
+            store_timeouts=int(timed_out), loads_store_down=int(store_down),
+        )
+        return outcome
 
-    def _fetch(self, client: KVStoreClient, job: TransferJob) -> list[memoryview | None]:
+    def _wait_budget(self, client: KVStoreClient, job: TransferJob) -> float:
+        """How long to wait for a producer's upload: job.wait_s, or 0 when the store at the URL is not
+        the producer's (e.g. the producer advertised tcp://127.0.0.1:5556 from another host). Its objects
+        are still valid KV (keys hash the tokens), but nothing the producer promised will arrive there."""
+        found = client.info().store_id
+        if not job.store_id or not found or found == job.store_id:
+            return job.wait_s
+        if (job.store_url, job.store_id) not in self._foreign_stores:
+            self._foreign_stores.add((job.store_url, job.store_id))
+            log.warning(
+                "kvstore %s is %s, not the producer's store %s (set the producer store's --advertise-url): "
+                "loading what it has without waiting", client.url, found, job.store_id,
+            )
+        return 0.0
+
+    def _fetch(self, client: KVStoreClient, job: TransferJob, health: StoreHealth) -> list[memoryview | None]:
         """Fetch every object, waiting up to job.wait_s for ones a producer is still uploading."""
-        deadline = time.monotonic() + job.wait_s
+        deadline = time.monotonic() + self._wait_budget(client, job)  # maps the store's arena on this host
         chunk_idx = [i for i, o in enumerate(job.objects) if o.key is not None]
         tail_idx = [i for i, o in enumerate(job.objects) if o.key is None]
         got: list[memoryview | None] = [None] * len(job.objects)
         tail_pending = bool(tail_idx and job.tail_id)
         # Shared memory: copy out of the arena into staging (its slots are reused once the lease
         # ends). TCP: the received frames are private already; scatter straight from them.
-        client.info()  # maps the store's arena when it is on this host
         dest = self._staging_views(job) if client.uses_shm else None
         polls = 0
         while True:
+            health.check()  # another load may have found the store dead meanwhile
             missing = [i for i in chunk_idx if got[i] is None]
             if missing:
                 items = [(job.objects[i].group, job.objects[i].key) for i in missing]
@@ -198,17 +241,18 @@ class WorkerIO:
         """One reused host buffer for a job's chunks: the store copies straight into it."""
         sizes = [self.groups[o.group].object_bytes(len(o.block_ids)) for o in job.objects]
         total = sum(sizes)
-        if self._staging is None or self._staging.numel() < total:
-            self._staging = torch.empty(total, dtype=torch.uint8)
+        staging = getattr(self._local, "staging", None)
+        if staging is None or staging.numel() < total:
+            staging = self._local.staging = torch.empty(total, dtype=torch.uint8)
         views, offset = [], 0
         for size in sizes:
-            views.append(self._staging[offset : offset + size].numpy())
+            views.append(staging[offset : offset + size].numpy())
             offset += size
         return views
 
-    def _load_one(self, client: KVStoreClient, job: TransferJob) -> LoadOutcome:
+    def _load_one(self, client: KVStoreClient, job: TransferJob, health: StoreHealth) -> LoadOutcome:
         outcome = LoadOutcome(job.req_id)
-        for spec, data in zip(job.objects, self._fetch(client, job)):
+        for spec, data in zip(job.objects, self._fetch(client, job, health)):
             if self._write(spec, data):
                 outcome.loaded_bytes += len(data)
             else:
@@ -225,11 +269,13 @@ class WorkerIO:
         if len(data) != group.object_bytes(len(spec.block_ids)):
             log.warning("object of group %d has %d bytes, expected %d", spec.group, len(data), group.object_bytes(len(spec.block_ids)))
             return False
-        group.scatter(data, spec.block_ids, spec.skip_blocks)
+        with self._write_lock:
+            group.scatter(data, spec.block_ids, spec.skip_blocks)
         return True
 
     def close(self) -> None:
         self._saves.put(None)
-        self._loads.put(None)
+        for _ in range(LOAD_THREADS):
+            self._loads.put(None)
         for t in self._threads:
             t.join(timeout=5)

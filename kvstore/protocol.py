@@ -181,6 +181,9 @@ class ServerInfo(_Rep, tag="info"):
     shm_path: str | None = None  # the arena, for same-host clients
     shm_nonce: str | None = None  # proves the client mapped this server's arena
     shm_size: int = 0
+    # identity: stores on different hosts may share a URL string (every node's tcp://127.0.0.1:5556)
+    store_id: str = ""
+    advertise_url: str | None = None  # where other hosts reach this store, when it knows
 
 
 STALE_SHM = "stale_shm"  # the error code that makes a client map the server's arena again

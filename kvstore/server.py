@@ -32,6 +32,8 @@ log = logging.getLogger("pdserve.kvstore")
 def _static_info(cfg: KVStoreConfig) -> dict:
     return {
         "version": __version__,
+        "store_id": cfg.identity,
+        "advertise_url": cfg.advertised_url,
         "chunk_size": cfg.chunk_size,
         "l1_bytes": cfg.l1_bytes,
         "l2_bytes": cfg.l2_bytes,

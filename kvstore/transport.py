@@ -76,7 +76,7 @@ class ZmqServer:
     # ------------------------------------------------------------ loop
 
     def serve(self, stop: threading.Event) -> None:
-        log.info("kvstore listening on %s", self.cfg.zmq_url)
+        log.info("kvstore %s listening on %s (advertised: %s)", self.cfg.identity, self.cfg.zmq_url, self.cfg.advertised_url)
         next_upkeep = 0.0
         while not stop.is_set():
             timeout = 5 if self._in_flight else POLL_MS
@@ -189,6 +189,8 @@ class ZmqServer:
                 shm_path=str(arena.path) if arena.path else None,
                 shm_nonce=arena.nonce if arena.path else None,
                 shm_size=arena.size,
+                store_id=self.cfg.identity,
+                advertise_url=self.cfg.advertised_url,
             ),
             None,
         )
