@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.children import open_log, signal_group, spawn, stop_group
+from pdserve.kvstore.vllm_release import installed_version, unsupported_reason
 
 TINY_ARCH = "deepseek_v3"
 TINY_SERVED_NAME = "tiny-deepseek-v3"
@@ -384,6 +385,9 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
         )
     except ValueError as exc:
         parser.error(str(exc))
+    reason = unsupported_reason(installed_version()) if cfg.connector else None
+    if reason:
+        parser.error(f"{reason} (or pass --no-connector)")
     return cfg, a
 
 

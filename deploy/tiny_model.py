@@ -19,6 +19,9 @@ from typing import Any, Sequence
 log = logging.getLogger(__name__)
 
 # Tiny DeepSeek-V3: MLA (512 latent + 64 rope = 576-wide KV), MoE with 8 routed experts.
+# DeepSeek's own head dims (qk_nope 128, rope 64, v 128): sm90's MLA prefill kernels take only
+# a few shapes and refuse smaller ones; the CPU engine serves these too. 64k positions, so GPU
+# benchmarks can run 32k-token prompts (a CPU engine caps it with --max-model-len).
 DEEPSEEK_V3: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -32,9 +35,9 @@ DEEPSEEK_V3: dict[str, Any] = {
     "num_key_value_heads": 8,
     "q_lora_rank": 128,
     "kv_lora_rank": 512,
-    "qk_nope_head_dim": 64,
+    "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
-    "v_head_dim": 64,
+    "v_head_dim": 128,
     "n_routed_experts": 8,
     "n_shared_experts": 1,
     "num_experts_per_tok": 2,
@@ -47,12 +50,24 @@ DEEPSEEK_V3: dict[str, Any] = {
     "moe_layer_freq": 1,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 4096,
+    "max_position_embeddings": 65536,
     "rope_theta": 10000.0,
     "torch_dtype": "bfloat16",
     "bos_token_id": 0,
     "eos_token_id": 1,
     "tie_word_embeddings": False,
+}
+
+# Tiny DeepSeek-V3.2: the V3 model plus the lightning indexer, so vLLM runs sparse MLA, the
+# only attention that takes the fp8_ds_mla KV cache (656-byte rows; GPU only: serve it with
+# --kv-cache-dtype fp8_ds_mla). The indexer's shape is the real model's.
+DEEPSEEK_V32: dict[str, Any] = {
+    **DEEPSEEK_V3,
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
 }
 
 # Tiny Gemma-3 text: 3 sliding-window layers (window 64) + 1 full layer -> two KV cache groups.
@@ -143,7 +158,12 @@ DEEPSEEK_V4: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-CONFIGS: dict[str, dict[str, Any]] = {"deepseek_v3": DEEPSEEK_V3, "gemma3": GEMMA3, "deepseek_v4": DEEPSEEK_V4}
+CONFIGS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v32": DEEPSEEK_V32,
+    "gemma3": GEMMA3,
+    "deepseek_v4": DEEPSEEK_V4,
+}
 
 # DeepSeek's special-token spelling (fullwidth bars, U+2581 for spaces), so chat prompts
 # look like the real models' and tests exercise multi-byte tokens.

@@ -33,6 +33,7 @@ from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.children import spawn, stop_group
 from pdserve.kvstore.config import add_client_token_flag
 from pdserve.kvstore.malloc import ENV as MALLOC_ENV
+from pdserve.kvstore.vllm_release import installed_version, unsupported_reason
 from pdserve.router.discovery import DEFAULT_TTL_S, Registrar, Role, WorkerRecord, new_worker_id
 
 log = logging.getLogger("pdserve.worker")
@@ -180,6 +181,9 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
 
 def check_connector() -> None:
     """Fail fast with a clear message when vLLM cannot load PDServeConnector."""
+    reason = unsupported_reason(installed_version())
+    if reason:
+        raise WorkerError(f"{reason}: install a supported vLLM, or pass --no-connector to serve without KV transfer.")
     result = subprocess.run(
         [sys.executable, "-c", _CONNECTOR_CHECK], capture_output=True, text=True, check=False
     )

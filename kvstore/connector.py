@@ -26,17 +26,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowSpec
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pdserve.kvstore import vllm_compat
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.connector_cache import GroupCache
 from pdserve.kvstore.connector_plan import GroupGeometry
 from pdserve.kvstore.connector_scheduler import SchedulerSide, StepMeta
 from pdserve.kvstore.connector_stats import PDServePromMetrics, PDServeStats
-from pdserve.kvstore.connector_worker import IDLE_WAIT_S, GroupCache, WorkerIO
+from pdserve.kvstore.connector_worker import IDLE_WAIT_S, WorkerIO
 from pdserve.kvstore.layout import KVGroupLayout, KVLayout
 
 if TYPE_CHECKING:
@@ -68,9 +68,10 @@ def describe_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     all_mla = True
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
-        is_mla = isinstance(spec, MLAAttentionSpec)
-        all_mla &= is_mla
-        dtype = getattr(spec, "cache_dtype_str", None) or str(spec.dtype).removeprefix("torch.")
+        # One group may hold layers of several specs (DeepSeek-V3.2: latent + indexer keys).
+        inner = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
+        all_mla &= all(isinstance(s, MLAAttentionSpec) for s in inner)
+        dtype = "+".join(sorted({_dtype_name(s) for s in inner}))
         groups.append(
             KVGroupLayout(
                 name=f"{i}:{type(spec).__name__}",
@@ -87,6 +88,10 @@ def describe_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     if isinstance(model, list):
         model = model[0]
     return KVLayout(model=str(model), groups=tuple(groups), parallel=parallel), all_mla
+
+
+def _dtype_name(spec: Any) -> str:
+    return getattr(spec, "cache_dtype_str", None) or str(spec.dtype).removeprefix("torch.")
 
 
 def check_geometry(layout: KVLayout, chunk_size: int, retention_interval: int | None) -> None:
@@ -108,7 +113,9 @@ def check_geometry(layout: KVLayout, chunk_size: int, retention_interval: int | 
 
 
 class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
-    _cache_hit_source = CacheHitSource.HOST
+    if vllm_compat.HOST_HIT_SOURCE is not None:
+        _cache_hit_source = vllm_compat.HOST_HIT_SOURCE
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
@@ -129,7 +136,7 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
             with KVStoreClient(url, auth_token=token, timeout_s=min(timeout_s, 10.0), shm=shm) as client:
                 chunk_size = client.info().chunk_size
                 self.layout, self.is_mla = describe_layout(vllm_config, kv_cache_config)
-                check_geometry(self.layout, chunk_size, vllm_config.cache_config.prefix_cache_retention_interval)
+                check_geometry(self.layout, chunk_size, vllm_compat.retention_interval(vllm_config.cache_config))
                 self.namespace = client.register_layout(self.layout)
         except KVStoreError as exc:
             raise ConnectorConfigError(
@@ -139,6 +146,14 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         self.chunk_size = chunk_size
         self.multi_group = len(kv_cache_config.kv_cache_groups) > 1
         saves, loads = ktc.is_kv_producer, ktc.is_kv_consumer
+        if loads and not vllm_compat.loads_supported(len(kv_cache_config.kv_cache_groups)):
+            loads = False
+            log.warning(
+                "PDServeConnector: this vLLM reports failed loads only per block, which its scheduler cannot map "
+                "to a model with %d KV cache groups; loads are off for this engine (it recomputes; saves go on). "
+                "Newer vLLM (with KVConnectorTransferResults) loads them.",
+                len(kv_cache_config.kv_cache_groups),
+            )
         log.info("PDServeConnector %s role=%s namespace=%s chunk=%d", role.name, ktc.kv_role, self.namespace, chunk_size)
         self.sched: SchedulerSide | None = None
         self.io: WorkerIO | None = None
@@ -164,6 +179,11 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, StepMeta) and self.io is not None
+        if meta.loads:
+            # The blocks a load writes may have been another request's until this step:
+            # the copy waits for the work the engine queued before it.
+            for group in self.io.groups:
+                group.fence()
         for job in meta.loads:
             self.io.load(job)
 
@@ -179,8 +199,8 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         for job in meta.saves:
             self.io.save(job)
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = KVConnectorTransferResults()
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = vllm_compat.TransferResults()
         if self.io is None:
             return results
         idle = self.has_connector_metadata() and getattr(self._get_connector_metadata(), "idle", False)
