@@ -47,6 +47,12 @@ OWNED_VLLM_FLAGS = ("--model", "--host", "--port")
 # Run in a throwaway interpreter: importing vLLM costs seconds and hundreds of MB,
 # which the long-lived supervisor should not keep.
 _CONNECTOR_CHECK = (
+    # vLLM logs a plugin that fails to import and goes on; name the usual cause instead: a
+    # source checkout in the working directory (first on sys.path) shadowing the installed package.
+    "import importlib.util, pdserve\n"
+    "if importlib.util.find_spec('pdserve.kvstore') is None:\n"
+    "    raise SystemExit(f'pdserve.kvstore is not importable: {pdserve.__path__[0]} shadows the installed '\n"
+    "                     'pdserve (a source folder in the working directory?); run from another directory')\n"
     "from vllm.plugins import load_general_plugins\n"
     "load_general_plugins()\n"
     "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
