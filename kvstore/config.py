@@ -38,7 +38,7 @@ class KVStoreConfig:
     lease_timeout_s: float = 60.0  # a client that vanished mid-transfer loses its leases after this
     shm: bool = True  # put the L1 arena in /dev/shm so same-host clients can map it
     log_level: str = "INFO"
-    store_id: str | None = None  # default: hostname/host:port
+    store_id: str | None = None  # default: HOSTNAME/advertised URL
     advertise_url: str | None = None  # default: tcp://host:port unless bound to a wildcard address
 
     @property
@@ -73,7 +73,7 @@ class KVStoreConfig:
     @property
     def identity(self) -> str:
         """The store's id: unique across hosts even where every host's store has the same URL."""
-        return self.store_id or f"{socket.gethostname()}/{self.host}:{self.port}"
+        return self.store_id or f"{socket.gethostname()}/{self.advertised_url or self.zmq_url}"
 
     @property
     def advertised_url(self) -> str | None:
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shm", dest="shm", action="store_false", help="keep L1 private (clients use TCP frames)")
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--store-id", default=None,
-                   help="this store's id in kv_transfer_params and the router's prefix view (default: HOSTNAME/HOST:PORT)")
+                   help="this store's id in kv_transfer_params and the router's prefix view (default: HOSTNAME/ADVERTISED_URL)")
     p.add_argument("--advertise-url", default=None,
                    help="tcp://HOST:PORT where other hosts reach this store (default: tcp://HOST:PORT of --host and "
                         "--port unless --host is a wildcard address)")

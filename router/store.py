@@ -5,6 +5,11 @@ The router learns each store's namespace and chunk size from the prefill respons
 knowledge of its own. Every call is bounded and best-effort: a store that is down or
 slow makes the router route without prefix information (and leave a tail to expire
 by its TTL), never fail or stall a request.
+
+The URL is the store's advertised one, and the params name the store's id: a store
+that answers at that URL under another id (every host's store may be
+tcp://127.0.0.1:5556, and the router's host has one too) is not asked for a prefix
+it never saw.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class StoreLayout(msgspec.Struct, frozen=True):
     namespace: str
     chunk_size: int
     groups: tuple[int, ...]
+    store_id: str | None = None  # the id the store announced to its producer
 
 
 class StoreView:
@@ -54,19 +60,26 @@ class StoreView:
         url, ns, chunk = params.get("kvstore_url"), params.get("namespace"), params.get("chunk_size")
         if not (isinstance(url, str) and isinstance(ns, str) and isinstance(chunk, int) and chunk > 0):
             return None
-        groups = params.get("groups")
-        layout = StoreLayout(ns, chunk, tuple(groups) if isinstance(groups, list) and groups else (0,))
+        groups, store_id = params.get("groups"), params.get("kvstore_id")
+        layout = StoreLayout(
+            ns, chunk, tuple(groups) if isinstance(groups, list) and groups else (0,),
+            store_id if isinstance(store_id, str) and store_id else None,
+        )
         if self.layouts.get(url) != layout:
             self.layouts[url] = layout
-            log.info("learned KV store %s: namespace %s, chunk %d tokens", url, ns, chunk)
+            log.info("learned KV store %s (%s): namespace %s, chunk %d tokens", url, layout.store_id, ns, chunk)
         return url
 
     async def _lookup(self, url: str, layout: StoreLayout, token_ids: list[int], salt: str | None) -> int:
         keys = chunk_keys(layout.namespace, token_ids, layout.chunk_size, salt)
         if not keys:
             return 0
+        client = self._client(url)
         try:
-            found = await self._client(url).lookup(layout.namespace, keys, list(layout.groups))
+            if layout.store_id is not None and (found_id := (await client.info()).store_id) != layout.store_id:
+                log.debug("store at %s is %s, not %s: no prefix hint from it", url, found_id, layout.store_id)
+                return 0
+            found = await client.lookup(layout.namespace, keys, list(layout.groups))
         except Exception as exc:  # any store failure only costs the routing hint
             log.debug("store lookup at %s failed: %s", url, exc)
             return 0

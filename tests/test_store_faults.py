@@ -229,7 +229,7 @@ def test_store_announces_its_id_and_advertised_url() -> None:
     try:
         with KVStoreClient(plain.url) as client:
             info = client.info()
-        assert info.store_id == f"{socket.gethostname()}/127.0.0.1:{plain.port}"
+        assert info.store_id == f"{socket.gethostname()}/{plain.url}"
         assert info.advertise_url == plain.url
         with KVStoreClient(named.url) as client:
             info = client.info()
@@ -246,3 +246,29 @@ def test_store_identity_flags_are_checked() -> None:
         KVStoreConfig(advertise_url="http://host:1").validate()
     with pytest.raises(ValueError, match="--store-id"):
         KVStoreConfig(store_id=" ").validate()
+
+
+async def test_router_prefix_view_asks_only_the_store_the_params_name() -> None:
+    """The router reaches a store by its advertised URL and trusts its count only under the
+    announced id: another store answering at that URL (every host's store may be
+    tcp://127.0.0.1:5556) gives no prefix hint for chunks it never saw."""
+    from kvstore_fixtures import LAYOUT
+
+    from pdserve.kvstore.client import AsyncKVStoreClient
+    from pdserve.kvstore.keys import chunk_keys
+    from pdserve.router.store import StoreView
+
+    store = Store("--store-id", "host-b-store")
+    try:
+        async with AsyncKVStoreClient(store.url, shm=False) as client:
+            ns = await client.register_layout(LAYOUT)
+            tokens = list(range(40))
+            keys = chunk_keys(ns, tokens, 16)
+            await client.put(ns, [(0, keys[0], b"x" * 64), (0, keys[1], b"y" * 64)])
+        for store_id, want in (("host-b-store", 32), ("host-a-store", 0)):
+            view = StoreView()
+            view.learn({"kvstore_url": store.url, "kvstore_id": store_id, "namespace": ns, "chunk_size": 16})
+            assert await view.prefix_tokens(tokens, None) == {store.url: want}, store_id
+            await view.close()
+    finally:
+        store.proc.stop()
