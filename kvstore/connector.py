@@ -225,7 +225,11 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         return errors
 
     def get_kv_connector_stats(self) -> PDServeStats | None:
-        return self.io.stats.take() if self.io is not None else None
+        if self.io is None:
+            return None
+        for group in self.io.groups:
+            self.io.stats.add(**{k: v for k, v in group.take_copy_counts().items() if v})
+        return self.io.stats.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDServeStats:

@@ -22,6 +22,7 @@ its parts one after the other, each layer-major.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -45,6 +46,9 @@ def _copy_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
     if src.shape[-1] % 8 == 0 and all(t.stride(-1) == 1 and t.data_ptr() % 8 == 0 for t in (dst, src)):
         dst, src = dst.view(torch.int64), src.view(torch.int64)
     dst.index_copy_(0, idx, src)
+
+
+COPY_COUNTERS = ("gather_bytes", "gather_seconds", "scatter_bytes", "scatter_seconds")
 
 
 class _Part:
@@ -87,6 +91,10 @@ class GroupCache:
         self._ops = _paged_ops() if self.cuda else None
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._fence: torch.cuda.Event | None = None
+        self._pinned: torch.Tensor | None = None  # the load thread's host staging, reused
+        # Bytes and seconds of the copies in and out of the paged cache (device and host sides
+        # together), for the engine's /metrics: the connector's copy throughput inside the engine.
+        self.copy_counts = dict.fromkeys(COPY_COUNTERS, 0.0)
 
     def object_bytes(self, num_blocks: int) -> int:
         return sum(part.object_bytes(num_blocks) for part in self.parts)
@@ -94,6 +102,13 @@ class GroupCache:
     # ---------------------------------------------------------------- save
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """The object over `block_ids` as host bytes, complete when this returns."""
+        start = time.perf_counter()
+        out = self._gather(block_ids)
+        self.copy_counts["gather_bytes"] += out.numel()
+        self.copy_counts["gather_seconds"] += time.perf_counter() - start
+        return out
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         if not self.cuda:
             out = torch.empty(self.object_bytes(len(block_ids)), dtype=torch.uint8)
@@ -123,6 +138,17 @@ class GroupCache:
 
     def scatter(self, payload: memoryview, block_ids: list[int], skip: int) -> None:
         """Write an object back, leaving its first `skip` blocks untouched; complete on return."""
+        start = time.perf_counter()
+        self._scatter(payload, block_ids, skip)
+        self.copy_counts["scatter_bytes"] += len(payload)
+        self.copy_counts["scatter_seconds"] += time.perf_counter() - start
+
+    def take_copy_counts(self) -> dict[str, float]:
+        """Counts since the last take (each counter is written by one thread only)."""
+        counts, self.copy_counts = self.copy_counts, dict.fromkeys(COPY_COUNTERS, 0.0)
+        return counts
+
+    def _scatter(self, payload: memoryview, block_ids: list[int], skip: int) -> None:
         keep = [i for i in range(skip, len(block_ids)) if block_ids[i] != UNALLOCATED]
         if not keep:
             return
@@ -131,11 +157,16 @@ class GroupCache:
             self._scatter_parts(whole, block_ids, keep, skip)
             return
         assert self._ops is not None and self._stream is not None
+        # Pinned, so the upload is asynchronous too: only the synchronize below orders the load.
+        if self._pinned is None or self._pinned.numel() < whole.numel():
+            self._pinned = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True)
+        staged = self._pinned[: whole.numel()]
+        staged.copy_(whole)
         with torch.cuda.stream(self._stream):
             if self._fence is not None:
                 self._stream.wait_event(self._fence)
-            self._scatter_parts(whole, block_ids, keep, skip)
-        # Reported received only once the bytes are in the paged cache.
+            self._scatter_parts(staged.to(self.device, non_blocking=True), block_ids, keep, skip)
+        # Reported received only once the bytes are in the paged cache (and the staging is free).
         self._stream.synchronize()
 
     def _scatter_parts(self, whole: torch.Tensor, block_ids: list[int], keep: list[int], skip: int) -> None:
@@ -148,8 +179,7 @@ class GroupCache:
             # a plain run of blocks (the usual case) is a view; only holes make a copy
             src = src[:, skip:] if len(keep) == len(block_ids) - skip else src[:, keep]
             if self._ops is not None:
-                src = src.to(self.device).contiguous()
-                self._ops[1](src, part.rows, idx)
+                self._ops[1](src.contiguous(), part.rows, idx)
                 continue
             for layer, view in enumerate(part.views):
                 _copy_rows(view, idx, src[layer])

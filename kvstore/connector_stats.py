@@ -20,6 +20,10 @@ COUNTERS: dict[str, str] = {
     "saved_bytes": "KV bytes saved to the pdserve store",
     "store_timeouts": "KV loads that got no answer from their store within the deadline (it was marked down)",
     "loads_store_down": "KV loads failed at once because their store was marked down (vLLM recomputed them)",
+    "gather_bytes": "KV bytes copied out of the paged cache for saves (device to host included)",
+    "gather_seconds": "seconds spent copying KV out of the paged cache for saves",
+    "scatter_bytes": "KV bytes copied into the paged cache by loads (host to device included)",
+    "scatter_seconds": "seconds spent copying KV into the paged cache for loads",
 }
 
 
@@ -49,7 +53,7 @@ class StatsCounter:
         self._lock = threading.Lock()
         self._stats = PDServeStats()
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: float) -> None:
         with self._lock:
             for name, value in counts.items():
                 self._stats.data[name] += value

@@ -1,0 +1,156 @@
+"""GroupCache on CUDA: the copy path (pdserve.kernels, one launch per part) and its stream order.
+
+Each ordering test delays one stream with a GPU spin (torch.cuda._sleep) so that a missing
+wait shows up as wrong bytes, not as a rare race:
+- a load must not be reported before its copy into the paged cache is complete;
+- a load must not land before work the engine queued on its stream before start_load_kv
+  (the blocks may have been another request's);
+- a save must read what the engine's stream wrote before wait_for_save.
+Needs CUDA (skipped without it); no vLLM.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SPIN_CYCLES = 2_000_000_000  # about a second of one SM's clock: far longer than any copy here
+
+
+def _layers(widths: list[int], num_blocks: int = 32, block_size: int = 64) -> list[torch.Tensor]:
+    """Block-major uint8 caches like vLLM's fp8_ds_mla (656 B rows) and indexer (132 B rows) layers."""
+    return [torch.zeros(num_blocks, block_size, w, dtype=torch.uint8, device="cuda") for w in widths]
+
+
+def _fill(cache, block_ids: list[int], seed: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for view in cache.views:
+        for b in block_ids:
+            view[b] = torch.randint(0, 256, (view.shape[1],), dtype=torch.uint8, device="cuda", generator=gen)
+
+
+def _kernel_names(fn) -> list[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_mixed_width_group_round_trips_through_one_kernel_per_part() -> None:
+    from pdserve.kvstore.connector_cache import GroupCache
+
+    widths = [656, 132, 656, 132]  # V3.2: latent and indexer layers in one group
+    src, dst = GroupCache(_layers(widths)), GroupCache(_layers(widths))
+    assert len(src.parts) == 2
+    blocks = [3, 17, 5, 9]
+    _fill(src, blocks, seed=1)
+    obj = src.gather(blocks)
+    assert obj.device.type == "cpu" and obj.numel() == src.object_bytes(len(blocks))
+    kernels = _kernel_names(lambda: dst.scatter(memoryview(obj.numpy()), blocks, skip=0))
+    # one Triton launch per part, no per-layer torch indexing kernels
+    assert sum("paged_copy_kernel" in k for k in kernels) == 2, kernels
+    assert not any("index" in k.lower() for k in kernels), kernels
+    gather_kernels = _kernel_names(lambda: src.gather(blocks))
+    assert sum("paged_copy_kernel" in k for k in gather_kernels) == 2, gather_kernels
+    for a, b in zip(src.views, dst.views):
+        assert torch.equal(a[blocks], b[blocks])
+
+
+def _store_with(objects: dict[bytes, torch.Tensor]):
+    from kvstore_fixtures import LAYOUT, start_kvstore
+
+    from pdserve.kvstore.client import KVStoreClient
+
+    store = start_kvstore(l1_size_gb=0.25)
+    with KVStoreClient(store.url) as client:
+        ns = client.register_layout(LAYOUT)
+        client.put(ns, [(0, key, obj.numpy()) for key, obj in objects.items()])
+    return store, ns
+
+
+def _load(cache, store, ns: str, key: bytes, blocks: list[int], before_load=None) -> None:
+    """One load through the connector's worker IO; returns once it is reported finished."""
+    from pdserve.kvstore.connector_plan import ObjectSpec, TransferJob
+    from pdserve.kvstore.connector_worker import WorkerIO
+
+    io = WorkerIO({"url": store.url}, ns, [cache], writes=False)
+    try:
+        if before_load is not None:
+            before_load()
+        cache.fence()  # what start_load_kv does before handing loads over
+        io.load(TransferJob("r", [ObjectSpec(0, key, blocks)]))
+        done: list = []
+        for _ in range(600):
+            done += io.finished_loads(wait_s=0.1)
+            if done:
+                break
+        assert done and done[0].ok
+    finally:
+        io.close()
+
+
+def test_a_load_is_reported_only_once_its_copy_is_complete() -> None:
+    from pdserve.kvstore.connector_cache import GroupCache
+
+    src = GroupCache(_layers([656, 656]))
+    blocks = [2, 4, 6]
+    _fill(src, blocks, seed=2)
+    store, ns = _store_with({b"a" * 16: src.gather(blocks)})
+    try:
+        dst = GroupCache(_layers([656, 656]))
+
+        def delay_load_stream() -> None:  # the copy queues behind a second of GPU spin
+            with torch.cuda.stream(dst._stream):
+                torch.cuda._sleep(SPIN_CYCLES)
+
+        _load(dst, store, ns, b"a" * 16, blocks, delay_load_stream)
+        # Read at once, on another stream than the load's: right only if the load waited.
+        for a, b in zip(src.views, dst.views):
+            assert torch.equal(a[blocks].cpu(), b[blocks].cpu())
+    finally:
+        store.stop()
+
+
+def test_a_load_lands_after_what_the_engine_queued_before_it() -> None:
+    from pdserve.kvstore.connector_cache import GroupCache
+
+    src = GroupCache(_layers([656]))
+    blocks = [1, 7]
+    _fill(src, blocks, seed=3)
+    store, ns = _store_with({b"b" * 16: src.gather(blocks)})
+    try:
+        dst = GroupCache(_layers([656]))
+
+        def engine_still_writes_old_kv() -> None:  # an earlier request's write, still queued
+            torch.cuda._sleep(SPIN_CYCLES)
+            for view in dst.views:
+                view[blocks] = 0x11
+
+        _load(dst, store, ns, b"b" * 16, blocks, engine_still_writes_old_kv)
+        torch.cuda.synchronize()
+        for a, b in zip(src.views, dst.views):
+            assert torch.equal(a[blocks], b[blocks]), "the load landed before the engine's earlier write"
+    finally:
+        store.stop()
+
+
+def test_a_save_reads_what_the_engine_wrote_before_it() -> None:
+    from pdserve.kvstore.connector_cache import GroupCache
+
+    cache = GroupCache(_layers([656, 132]))
+    blocks = [8, 9]
+    torch.cuda._sleep(SPIN_CYCLES)  # the engine's step is still running...
+    for view in cache.views:
+        view[blocks] = 0x5A  # ...and writes this step's KV last
+    saved = cache.gather(blocks)  # wait_for_save, on the engine's stream
+    assert bool((saved == 0x5A).all()), "the save read the blocks before the step's writes"
+    for view in cache.views:
+        view[blocks] = 0x33  # the next step reuses the blocks
+    torch.cuda.synchronize()
+    assert bool((saved == 0x5A).all()), "the saved bytes changed after wait_for_save returned"
