@@ -1,12 +1,18 @@
 """`pdserve bench connector`: time to first token, recomputed vs loaded, in one run.
 
-For each prompt length it measures on the tiny DeepSeek-V3 (CPU):
+For each prompt length it measures on a tiny DeepSeek (CPU, or GPU where vLLM has CUDA):
   recompute  - the engine computes the whole prompt (first sight of it);
   pdserve    - the same prompt again, its KV loaded from our store by PDServeConnector;
   example    - the same prompt loaded through vLLM's own ExampleConnector (files on disk),
                the baseline a vLLM user already has.
-Engines run one at a time so they never compete for the CPU. MLA on the CPU has no
-local prefix cache, so a repeated prompt is either recomputed or loaded, never cached.
+Engines run one at a time so they never compete. MLA on the CPU has no local prefix
+cache; on a GPU the engines run with --no-enable-prefix-caching, so there too a repeated
+prompt is either recomputed or loaded, never cached. It also prints the connector's copy
+throughput inside the engine (its vllm:pdserve_gather/scatter counters) beside a
+device-to-device copy measured in the same run.
+
+Flags after `--` go to both engines (e.g. `-- --kv-cache-dtype fp8_ds_mla` with
+`--arch deepseek_v32`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from typing import Iterator, Sequence
 
 import httpx
 
+from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.ports import free_port
+from pdserve.deploy.tiny_model import CONFIGS
 from pdserve.deploy.tiny_model import main as tiny_main
 
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "HF_HUB_OFFLINE": "1"}
@@ -60,13 +68,21 @@ def _process(argv: list[str], health: str, log: Path, timeout_s: float = 600) ->
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _engine(model: Path, kv_config: dict, max_len: int, logdir: Path, name: str):
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _engine(model: Path, kv_config: dict, max_len: int, logdir: Path, name: str, extra: Sequence[str]):
     port = free_port()
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(max_len), "--max-num-seqs", "4", "--enforce-eager",
-        "--kv-transfer-config", json.dumps(kv_config),
+        "--kv-transfer-config", json.dumps(kv_config), *extra,
     ]
     return port, _process(argv, f"http://127.0.0.1:{port}/health", logdir / f"{name}.log")
 
@@ -98,22 +114,60 @@ def _measure(port: int, prompts: dict[int, list[int]], repeats: int) -> dict[int
     return out
 
 
+def _copy_rates(port: int) -> dict[str, float]:
+    """GB/s of the connector's copies out of (gather) and into (scatter) the paged cache."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:pdserve_") and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("vllm:pdserve_").removesuffix("_total")
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {kind: totals.get(f"{kind}_bytes", 0.0) / totals[f"{kind}_seconds"] / 1e9
+            for kind in ("gather", "scatter") if totals.get(f"{kind}_seconds")}
+
+
+def _d2d_copy_gbps(nbytes: int = 1 << 30) -> float | None:
+    """Device-to-device copy on this GPU, bytes read plus written per second (None without CUDA)."""
+    if not _cuda():
+        return None
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    gbps = 10 * 2 * nbytes / (start.elapsed_time(end) / 1e3) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbps
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench connector", description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192], help="prompt lengths in tokens")
     p.add_argument("--repeats", type=int, default=3, help="loads measured per length (median reported)")
     p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--model", type=Path, default=None, help="model dir (default: a fresh tiny DeepSeek-V3)")
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: a fresh tiny model of --arch)")
+    p.add_argument("--arch", choices=sorted(a for a in CONFIGS if a.startswith("deepseek")), default="deepseek_v3",
+                   help="architecture of the tiny model")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv, engine_extra = split_passthrough(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
+    if _cuda():  # a GPU engine's own prefix cache would answer the repeats
+        engine_extra = ["--no-enable-prefix-caching", *engine_extra]
     work = Path(tempfile.mkdtemp(prefix="pdserve-bench-connector-"))
     model = args.model or work / "model"
     if args.model is None:
-        tiny_main(["--arch", "deepseek_v3", "--out", str(model)])
+        tiny_main(["--arch", args.arch, "--out", str(model)])
     rng = random.Random(0)
     prompts = {n: [rng.randrange(3, 1000) for _ in range(n)] for n in args.lengths}
     max_len = max(args.lengths) + 64
@@ -124,12 +178,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ours_cfg = {"kv_connector": "PDServeConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"kvstore_url": f"tcp://127.0.0.1:{store_port}"}}
     with _process(store_argv, f"http://127.0.0.1:{store_http}/health", work / "kvstore.log"):
-        port, ctx = _engine(model, ours_cfg, max_len, work, "pdserve")
+        port, ctx = _engine(model, ours_cfg, max_len, work, "pdserve", engine_extra)
         with ctx:
             ours = _measure(port, prompts, args.repeats)
+            time.sleep(2)  # vLLM ships connector stats to /metrics on its logging interval
+            rates = _copy_rates(port)
     example_cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
-    port, ctx = _engine(model, example_cfg, max_len, work, "example")
+    port, ctx = _engine(model, example_cfg, max_len, work, "example", engine_extra)
     with ctx:
         example = _measure(port, prompts, args.repeats)
 
@@ -142,6 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "example_recompute_s": example[n][0]})
         print(f"{n:>7} {recompute:>12.3f} {loaded:>10.3f} {ex:>10.3f} {loaded / ex:>16.2f} {recompute / loaded:>18.1f}")
     print("target: pdserve/example <= 0.50 at every length")
+    d2d = _d2d_copy_gbps()
+    for kind, what in (("gather", "save: paged cache -> host"), ("scatter", "load: host -> paged cache")):
+        if kind in rates:
+            vs = f", {rates[kind] / d2d:.3f}x of a {d2d:.0f} GB/s device-to-device copy" if d2d else ""
+            print(f"connector copy in the engine, {what}: {rates[kind]:.1f} GB/s{vs}")
+    rows.append({"copy_gbps": rates, "d2d_copy_gbps": d2d})
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -19,6 +19,7 @@ default 1: a store that misses it is marked down, see store_health), handoff_wai
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -164,7 +165,7 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
             wait_s = float(ktc.get_from_extra_config("handoff_wait_s", 10.0))
             self.sched = SchedulerSide(self._client_args, self.namespace, chunk_size, geometries, saves, loads, wait_s)
         self._load_errors: set[int] = set()
-        self._failed_reqs: set[str] = set()
+        self._load_started: dict[str, float] = {}  # req id -> when start_load_kv handed its load over
 
     # ---------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -185,6 +186,7 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
             for group in self.io.groups:
                 group.fence()
         for job in meta.loads:
+            self._load_started[job.req_id] = time.perf_counter()
             self.io.load(job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -206,6 +208,9 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         idle = self.has_connector_metadata() and getattr(self._get_connector_metadata(), "idle", False)
         for outcome in self.io.finished_loads(IDLE_WAIT_S if idle else 0.0):
             results.finished_recving.add(outcome.req_id)
+            started = self._load_started.pop(outcome.req_id, None)
+            if started is not None:
+                self.io.stats.add(load_seconds=time.perf_counter() - started)
             if outcome.ok:
                 continue
             # Block ids are only unique within a group: with several groups vLLM takes

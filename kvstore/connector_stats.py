@@ -20,6 +20,7 @@ COUNTERS: dict[str, str] = {
     "saved_bytes": "KV bytes saved to the pdserve store",
     "store_timeouts": "KV loads that got no answer from their store within the deadline (it was marked down)",
     "loads_store_down": "KV loads failed at once because their store was marked down (vLLM recomputed them)",
+    "load_seconds": "seconds from a load's start (start_load_kv) until vLLM is told it finished, summed over loads",
     "gather_bytes": "KV bytes copied out of the paged cache for saves (device to host included)",
     "gather_seconds": "seconds spent copying KV out of the paged cache for saves",
     "scatter_bytes": "KV bytes copied into the paged cache by loads (host to device included)",

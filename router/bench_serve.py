@@ -223,6 +223,23 @@ async def router_totals(client: httpx.AsyncClient, base_url: str) -> dict[str, t
             for key, name in _ROUTER_SERIES.items()}
 
 
+def connector_loads(base_url: str) -> tuple[float, float] | None:
+    """(seconds, count) of an engine's PDServeConnector loads so far, from its /metrics; None without them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals = {"load_seconds": 0.0, "loads": 0.0}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            name = s.name.removeprefix("vllm:pdserve_").removesuffix("_total")
+            if s.name.startswith("vllm:pdserve_") and name in totals:
+                totals[name] += s.value
+    return totals["load_seconds"], totals["loads"]
+
+
 def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
     """Mean ms per request over a run, from the router's histograms: the handoff measured where it
     happens (prefill response to first decode token), free of the prefill-time noise in a TTFT difference."""
@@ -349,6 +366,7 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "router_handoff_mean_ms": pd.get("router", {}).get("handoff_mean_ms", math.nan),
             "router_own_mean_ms": coloc.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "router_own_pd_mean_ms": pd.get("router", {}).get("router_overhead_mean_ms", math.nan),
+            "connector_load_mean_ms": pd.get("connector_load_mean_ms", math.nan),
         })
     return rows
 
@@ -404,7 +422,8 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
               f"router overhead {row['router_overhead_p50_ms']:.2f} ms")
         print(f"  as the router measures it (mean): handoff {row['router_handoff_mean_ms']:.1f} ms "
               f"(prefill response to first decode token); router's own time "
-              f"{row['router_own_mean_ms']:.2f} ms colocated, {row['router_own_pd_mean_ms']:.2f} ms P/D")
+              f"{row['router_own_mean_ms']:.2f} ms colocated, {row['router_own_pd_mean_ms']:.2f} ms P/D; "
+              f"decode engine's KV load {row['connector_load_mean_ms']:.1f} ms")
 
 
 def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
@@ -469,7 +488,14 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
     runs: list[Run] = []
     pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
     with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm):
-        runs += asyncio.run(bench_endpoint(bench, pd.router_url, "pd", prompts))
+        decode_url = pd.worker_urls("decode")[0]
+        for conc in cfg.max_concurrency:
+            before = connector_loads(decode_url)
+            level = asyncio.run(bench_endpoint(bench, pd.router_url, "pd", prompts, [conc]))
+            after = connector_loads(decode_url)
+            if before and after and after[1] > before[1]:
+                level[0].metrics["connector_load_mean_ms"] = 1000.0 * (after[0] - before[0]) / (after[1] - before[1])
+            runs += level
     coloc = stack(num_prefill=0, num_decode=1, connector=False, pd_min_prompt_tokens=10**9)
     with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):
         # Router and direct alternate level by level, so slow drift in the machine's

@@ -7,8 +7,9 @@ the router, and a colocated engine. The colocated engine computes every prompt i
 greedy tokens are the reference) and, as a kv_producer on the second store, saves the KV it
 computed, which is the byte reference for what a consumer loads.
 
-PDSERVE_TEST_ENGINE_ARGS replaces the GPU engine flags, so the same tests can be dry-run on
-the CPU build (`PDSERVE_TEST_ON_CPU=1`, deepseek_v3 only) before spending GPU time.
+PDSERVE_TEST_ENGINE_ARGS replaces the GPU engine flags and PDSERVE_TEST_ARCHS (comma-separated)
+picks the models; `PDSERVE_TEST_ON_CPU=1` dry-runs the same tests on the CPU build (deepseek_v3
+only), to find a broken test before spending GPU time.
 """
 
 from __future__ import annotations
@@ -158,7 +159,12 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [rng.randrange(3, 1000) for _ in range(length)]
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3"] if ON_CPU else list(ARCHS))
+def _archs() -> list[str]:
+    chosen = os.environ.get("PDSERVE_TEST_ARCHS")
+    return chosen.split(",") if chosen else ["deepseek_v3"] if ON_CPU else list(ARCHS)
+
+
+@pytest.fixture(scope="module", params=_archs())
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GPUStack]:
     arch = request.param
     model = tmp_path_factory.mktemp(f"tiny-{arch}")
