@@ -8,6 +8,13 @@ serves until Ctrl-C or SIGTERM, which stops the router first, then the workers (
 drain), then the store. `LocalStack` is also what `pdserve bench serve --compare`
 uses to bring up its P/D and colocated stacks.
 
+While serving, a child that exits is restarted in place (same ports) with backoff and
+a cap (deploy/children.py: Supervised); a worker restarts its own engine the same way
+(deploy/worker.py) and only exits when it gave up, which is final here. Every few
+seconds `up` checks each child's health and prints which ones are down, so one dead
+engine costs its own capacity, not the stack. It stops by itself only when nothing can
+serve any more: the router or every decode worker is down for good.
+
 Without `--model`, a tiny random-weight DeepSeek-V3 is generated once into the cache
 folder and served with `--load-format dummy` and CPU-friendly engine settings.
 """
@@ -23,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -31,7 +39,8 @@ import httpx
 from tqdm import tqdm
 
 from pdserve.deploy.cli import split_passthrough
-from pdserve.deploy.children import open_log, signal_group, spawn, stop_group
+from pdserve.deploy.children import Backoff, StopFlag, Supervised, open_log, signal_group, spawn
+from pdserve.deploy.worker import EXIT_GAVE_UP
 from pdserve.kvstore.vllm_release import installed_version, unsupported_reason
 
 TINY_ARCH = "deepseek_v3"
@@ -47,6 +56,9 @@ TINY_VLLM_ARGS: tuple[str, ...] = (
 TINY_ENGINE_ENV: dict[str, str] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 QUIET_ENV: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
 DEMO_PROMPT = "Say hello to the prefill/decode stack."
+# How often `up` looks for exited children, and how often it asks each one's health.
+TICK_S = 0.5
+HEALTH_EVERY_S = 5.0
 
 
 def cache_dir() -> Path:
@@ -116,9 +128,12 @@ class Component:
     argv: list[str]
     ready: Callable[[httpx.Client], bool]
     env: dict[str, str] = field(default_factory=dict)
+    live: Callable[[httpx.Client], bool] | None = None  # health while serving; None: `ready`
     popen: subprocess.Popen | None = None
     log_path: Path | None = None
     ready_after_s: float | None = None
+    supervised: Supervised | None = None
+    up: bool = True  # as of the last health round
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
@@ -131,6 +146,10 @@ class Component:
 
 class StackFailed(RuntimeError):
     """A component exited or did not become ready; the message names it and quotes its log."""
+
+
+class StopRequested(Exception):
+    """A stop signal arrived while the stack was starting."""
 
 
 def _get_ok(url: str) -> Callable[[httpx.Client], bool]:
@@ -200,25 +219,41 @@ def build_components(cfg: StackConfig) -> list[Component]:
         router += ["--pd-min-prompt-tokens", str(cfg.pd_min_prompt_tokens)]
     if cfg.api_key:
         router += ["--api-key", cfg.api_key]
-    comps.append(Component("router", [*router, *cfg.router_args], _router_sees_all(cfg)))
+    comps.append(Component("router", [*router, *cfg.router_args], _router_sees_all(cfg),
+                           live=_get_ok(f"{cfg.router_url}/health")))
     return comps
 
 
 class LocalStack:
     """Start, watch and stop one stack's children. Use as a context manager."""
 
-    def __init__(self, cfg: StackConfig, label: str = "pdserve") -> None:
+    def __init__(self, cfg: StackConfig, label: str = "pdserve", *, stop: StopFlag | None = None,
+                 components: list[Component] | None = None, backoff: Backoff = Backoff()) -> None:
+        """`stop` makes start-up end early on a signal; `components` replaces the ones cfg describes."""
         self.cfg = cfg
         self.label = label
-        self.components = build_components(cfg)
+        self.components = build_components(cfg) if components is None else components
+        for comp in self.components:
+            # A worker that exits EXIT_GAVE_UP already spent its engine's restarts.
+            final = (EXIT_GAVE_UP,) if comp.name.startswith(("prefill-", "decode-")) else ()
+            comp.supervised = Supervised(comp.name, partial(self._spawn, comp), backoff, final_codes=final)
         self.log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        self._stop = stop
         self._http = httpx.Client(timeout=2.0)
         self._show_progress = True
+        self._next_health = 0.0
 
-    def _spawn(self, comp: Component) -> None:
+    def _spawn(self, comp: Component) -> subprocess.Popen:
         comp.log_path = self.log_dir / f"{comp.name}.log"
         with open_log(comp.log_path) as log:
             comp.popen = spawn(comp.argv, stdout=log, env={**QUIET_ENV, **comp.env})
+        return comp.popen
+
+    def _pause(self, seconds: float) -> None:
+        if self._stop is None:
+            time.sleep(seconds)
+        elif self._stop.wait(seconds):
+            raise StopRequested
 
     def _wait(self, comps: list[Component], bar: tqdm, deadline: float) -> None:
         """Poll until every comp in `comps` is ready; raise StackFailed if one exits or time runs out."""
@@ -247,7 +282,7 @@ class LocalStack:
                 # No terminal to redraw a bar on (a log file, CI): one line every 30 s.
                 print(f"  {waiting} ({now - started:.0f} s)", file=sys.stderr, flush=True)
                 last_note = now
-            time.sleep(1.0)
+            self._pause(1.0)
 
     def start(self, show_progress: bool = True) -> "LocalStack":
         """Store first (workers connect to it), then workers and router together."""
@@ -259,11 +294,11 @@ class LocalStack:
         try:
             store = [c for c in self.components if c.name == "kvstore"]
             for comp in store:
-                self._spawn(comp)
+                comp.supervised.start()
             self._wait(store, bar, deadline)
             rest = [c for c in self.components if c.name != "kvstore"]
             for comp in rest:
-                self._spawn(comp)
+                comp.supervised.start()
             self._wait(rest, bar, deadline)
         except BaseException:
             bar.close()
@@ -272,23 +307,52 @@ class LocalStack:
         bar.close()
         return self
 
-    def dead(self) -> list[Component]:
-        """Children that have exited (a running stack should have none)."""
-        return [c for c in self.components if c.popen is not None and not c.alive()]
+    def _note(self, message: str) -> None:
+        print(f"pdserve up: {message}", file=sys.stderr, flush=True)
+
+    def status_line(self) -> str:
+        down = [c.name for c in self.components if not c.up]
+        up = [c.name for c in self.components if c.up]
+        return f"down: {', '.join(down) or 'none'}; serving with: {', '.join(up) or 'nothing'}"
+
+    def watch(self) -> bool:
+        """One supervision round: restart what exited, report health changes.
+
+        False once the stack cannot serve any more (the router or every decode worker
+        is down for good); everything else keeps serving with what is left.
+        """
+        for comp in self.components:
+            change = comp.supervised.poll()
+            if change is not None:
+                where = "" if change.kind == "restarted" else f"; log {comp.log_path}:\n{comp.log_tail(10)}"
+                self._note(change.message + where)
+        now = time.monotonic()
+        if now >= self._next_health:
+            self._next_health = now + HEALTH_EVERY_S
+            changed = False
+            for comp in self.components:
+                up = comp.alive() and (comp.live or comp.ready)(self._http)
+                changed, comp.up = changed or up != comp.up, up
+            if changed:
+                self._note(self.status_line())
+        lost = {c.name for c in self.components if c.supervised.gave_up}
+        decode = {c.name for c in self.components if c.name.startswith("decode-")}
+        if "router" in lost or (decode and decode <= lost):
+            self._note(f"cannot serve without {', '.join(sorted(lost))}; stopping")
+            return False
+        return True
 
     def stop(self) -> None:
-        """Router first (no new requests), then workers together (each drains), then the store."""
-        order = [
-            [c for c in self.components if c.name == "router"],
-            [c for c in self.components if c.name.startswith(("prefill-", "decode-"))],
-            [c for c in self.components if c.name == "kvstore"],
-        ]
+        """Router first (no new requests), then workers together (each drains), then the store (and the rest)."""
+        router = [c for c in self.components if c.name == "router"]
+        workers = [c for c in self.components if c.name.startswith(("prefill-", "decode-"))]
+        order = [router, workers, [c for c in self.components if c not in router and c not in workers]]
         for group in order:
             running = [c for c in group if c.popen is not None]
             for comp in running:
                 signal_group(comp.popen, signal.SIGTERM)
             for comp in running:
-                stop_group(comp.popen, timeout_s=90.0, name=comp.name)
+                comp.supervised.stop(timeout_s=90.0)
         self._http.close()
 
     @property
@@ -398,44 +462,64 @@ def curl_line(cfg: StackConfig) -> str:
     return f"curl {cfg.router_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    cfg, opts = parse_up_args(sys.argv[1:] if argv is None else argv)
-    stopping = threading.Event()
+def run_demo(cfg: StackConfig, stop: StopFlag) -> None:
+    """The demo request on a thread, so that a stop signal does not wait for its reply."""
+    outcome: list[tuple[str, float, int] | Exception] = []
 
-    def on_signal(*_: object) -> None:
-        # The first Ctrl-C/SIGTERM interrupts whatever runs (start-up included); later
-        # ones are ignored so they cannot cut the orderly shutdown short.
-        if not stopping.is_set():
-            stopping.set()
-            raise KeyboardInterrupt
+    def request() -> None:
+        try:
+            outcome.append(chat_once(cfg.router_url, cfg.served_model_name, DEMO_PROMPT, cfg.api_key))
+        except Exception as exc:  # reported below, on the main thread
+            outcome.append(exc)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    stack = LocalStack(cfg)
-    print(f"pdserve up: {cfg.num_prefill} prefill + {cfg.num_decode} decode worker(s) of {cfg.served_model_name}; "
-          f"logs in {stack.log_dir}", flush=True)
+    thread = threading.Thread(target=request, name="demo-request", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if stop.wait(TICK_S):
+            raise StopRequested
+    result = outcome[0]
+    if isinstance(result, StackFailed):
+        raise result
+    if isinstance(result, Exception):
+        raise StackFailed(f"demo request failed: {result!r}")
+    reply, ttft, tokens = result
+    print(f"demo reply ({tokens} tokens, TTFT {ttft * 1000:.0f} ms): {reply!r}", flush=True)
+
+
+def serve(stack: LocalStack, stop: StopFlag, demo: bool = True) -> int:
+    """Start, (demo,) keep serving and supervising until a signal, then stop everything.
+
+    Signals only set `stop` (see StopFlag); this loop notices it, so a burst of signals
+    during start-up or shutdown cannot interrupt the orderly stop or hang the process.
+    """
+    cfg = stack.cfg
     code = 0
     try:
         stack.start()
         print(f"\nready: {cfg.router_url}/v1  (model {cfg.served_model_name})\n  {curl_line(cfg)}\n", flush=True)
-        if not opts.no_demo:
-            reply, ttft, tokens = chat_once(cfg.router_url, cfg.served_model_name, DEMO_PROMPT, cfg.api_key)
-            print(f"demo reply ({tokens} tokens, TTFT {ttft * 1000:.0f} ms): {reply!r}", flush=True)
+        if demo:
+            run_demo(cfg, stop)
         print("serving; Ctrl-C stops every process", flush=True)
-        while not stack.dead():
-            time.sleep(1.0)
-        comp = stack.dead()[0]
-        print(f"pdserve up: {comp.name} exited with code {comp.popen.returncode}; stopping. "
-              f"log {comp.log_path}:\n{comp.log_tail()}", file=sys.stderr, flush=True)
-        code = 1
+        while not stop.wait(TICK_S):
+            if not stack.watch():
+                code = 1
+                break
     except StackFailed as exc:
         print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
         code = 1
-    except KeyboardInterrupt:
+    except StopRequested:
         pass
     finally:
-        stopping.set()
         print("stopping...", flush=True)
         stack.stop()
         print("stopped", flush=True)
     return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg, opts = parse_up_args(sys.argv[1:] if argv is None else argv)
+    stop = StopFlag().install()
+    stack = LocalStack(cfg, stop=stop)
+    print(f"pdserve up: {cfg.num_prefill} prefill + {cfg.num_decode} decode worker(s) of {cfg.served_model_name}; "
+          f"logs in {stack.log_dir}", flush=True)
+    return serve(stack, stop, demo=not opts.no_demo)

@@ -7,7 +7,12 @@ vllm.entrypoints.openai.api_server` child. It adds exactly what vLLM cannot know
 - registration in Redis with a TTL heartbeat that carries the engine's load, read
   from vLLM's own /metrics;
 - a graceful stop: on SIGTERM it deregisters first (the router stops sending), waits
-  for in-flight requests to finish (bounded), and only then stops vLLM.
+  for in-flight requests to finish (bounded), and only then stops vLLM;
+- restarts: when vLLM exits (or stops answering /health for --unhealthy-timeout
+  seconds) the worker deregisters at once, restarts it with doubling delays, and
+  registers again once it is healthy, so routers re-admit it through discovery. After
+  --max-restarts restarts within the backoff window it gives up: it logs why and exits
+  with EXIT_GAVE_UP, which `pdserve up` takes as final.
 Every argument we do not define passes to vLLM unchanged, so the flags users already
 run (`--tensor-parallel-size`, `--kv-cache-dtype`, `--api-key`, ...) just work.
 """
@@ -18,10 +23,8 @@ import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -30,7 +33,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.cli import split_passthrough
-from pdserve.deploy.children import spawn, stop_group
+from pdserve.deploy.children import Backoff, StopFlag, Supervised, spawn, stop_group
 from pdserve.kvstore.config import add_client_token_flag
 from pdserve.kvstore.malloc import ENV as MALLOC_ENV
 from pdserve.kvstore.vllm_release import installed_version, unsupported_reason
@@ -41,6 +44,10 @@ log = logging.getLogger("pdserve.worker")
 CONNECTOR_NAME = "PDServeConnector"
 KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_both"}
 DEFAULT_PORTS: dict[Role, int] = {"prefill": 8100, "decode": 8200}
+# Exit code of a worker whose vLLM ran out of restarts: its parent should not restart it again.
+EXIT_GAVE_UP = 3
+# How often the supervisor looks at its vLLM process between heartbeats.
+TICK_S = 0.5
 # Flags that the worker owns and therefore must not also appear among vLLM's arguments.
 OWNED_VLLM_FLAGS = ("--model", "--host", "--port")
 
@@ -81,6 +88,8 @@ class WorkerConfig:
     connector: bool
     drain_timeout: float
     start_timeout: float
+    unhealthy_timeout: float
+    backoff: Backoff
     vllm_args: tuple[str, ...]
 
     @property
@@ -148,7 +157,14 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
     parser.add_argument("--heartbeat-ttl", type=float, default=DEFAULT_TTL_S, help="seconds a registration lives without a heartbeat")
     parser.add_argument("--no-connector", action="store_true", help="serve without KV transfer (the decode leg recomputes the prompt)")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds to wait for in-flight requests on SIGTERM")
-    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for vLLM to become healthy")
+    parser.add_argument("--start-timeout", type=float, default=900.0,
+                        help="seconds to wait for vLLM to become healthy (then it is restarted)")
+    parser.add_argument("--unhealthy-timeout", type=float, default=30.0,
+                        help="restart a running vLLM whose /health has failed for this many seconds")
+    parser.add_argument("--max-restarts", type=int, default=Backoff.max_restarts,
+                        help=f"give up after this many vLLM restarts within {Backoff.window_s:.0f} s")
+    parser.add_argument("--restart-delay", type=float, default=Backoff.first_s,
+                        help=f"seconds before the first restart; doubles with each next, up to {Backoff.max_s:.0f} s")
     return parser
 
 
@@ -167,6 +183,8 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
         raise WorkerError("--kvstore-url is required (or --no-connector to serve without KV transfer)")
     if args.heartbeat_ttl <= 0:
         raise WorkerError(f"--heartbeat-ttl must be positive, got {args.heartbeat_ttl}")
+    if args.max_restarts < 0 or not 0 <= args.restart_delay <= Backoff.max_s:
+        raise WorkerError(f"--max-restarts must not be negative and --restart-delay must be 0-{Backoff.max_s:.0f} s")
     return WorkerConfig(
         role=role,
         model=args.model,
@@ -181,6 +199,8 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
         connector=connector,
         drain_timeout=args.drain_timeout,
         start_timeout=args.start_timeout,
+        unhealthy_timeout=args.unhealthy_timeout,
+        backoff=Backoff(first_s=args.restart_delay, max_restarts=args.max_restarts),
         vllm_args=vllm_args,
     )
 
@@ -217,50 +237,102 @@ def read_load(client: httpx.Client, base_url: str) -> dict[str, int]:
 
 
 class Worker:
-    """Supervises one vLLM server: start, register, heartbeat load, drain, stop."""
+    """Supervises one vLLM server: start, register, heartbeat load, restart, drain, stop."""
 
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, stopping: StopFlag) -> None:
         self.cfg = cfg
-        self.stopping = threading.Event()
-        self.child: subprocess.Popen | None = None
+        self.stopping = stopping
+        self.vllm = Supervised("vLLM", self._spawn_vllm, cfg.backoff)
         self.registrar: Registrar | None = None
         self.http = httpx.Client(timeout=5.0)
+        self.healthy = False  # the current vLLM has answered /health since it started
+        self.started_at = 0.0
+        self.failing_since: float | None = None  # when a healthy vLLM's /health began to fail
 
-    def _child_exited(self) -> bool:
-        return self.child is None or self.child.poll() is not None
+    def _spawn_vllm(self) -> subprocess.Popen:
+        # the user's own malloc settings win over the store-friendly defaults
+        child = spawn(self.cfg.vllm_argv(), env={k: v for k, v in MALLOC_ENV.items() if k not in os.environ})
+        log.info("%s %s: started vLLM (pid %d) on %s", self.cfg.role, self.cfg.worker_id, child.pid, self.cfg.local_url)
+        self.healthy, self.started_at, self.failing_since = False, time.monotonic(), None
+        return child
 
-    def _wait_healthy(self) -> bool:
-        """True once GET /health answers; False if vLLM died, we were told to stop, or time ran out."""
-        deadline = time.monotonic() + self.cfg.start_timeout
-        while time.monotonic() < deadline and not self.stopping.is_set():
-            if self._child_exited():
-                return False
+    def _health_ok(self) -> bool:
+        try:
+            return self.http.get(f"{self.cfg.local_url}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _register(self) -> None:
+        """Announce this worker (again, after a restart) so routers add it back."""
+        cfg = self.cfg
+        if not cfg.redis_url:
+            return
+        record = WorkerRecord(
+            id=cfg.worker_id, role=cfg.role, url=cfg.url, model=cfg.served_model_name,
+            kvstore_url=cfg.kvstore_url if cfg.connector else None,
+            load={"running": 0, "waiting": 0},
+        )
+        self.registrar = Registrar(cfg.redis_url, record, cfg.heartbeat_ttl)
+        self.registrar.start()
+
+    def _deregister(self) -> None:
+        if self.registrar is not None:
+            self.registrar.stop()
+            self.registrar = None
+
+    def _restart_unresponsive(self, why: str) -> None:
+        """Stop a vLLM that is alive but useless; the next poll() sees the exit and restarts it."""
+        log.error("%s; restarting it", why)
+        self._deregister()
+        assert self.vllm.popen is not None
+        stop_group(self.vllm.popen, timeout_s=10.0, name="vLLM")
+
+    def _check(self) -> None:
+        """One look at a running vLLM: becoming ready, staying healthy, advertising its load."""
+        cfg, now = self.cfg, time.monotonic()
+        if not self.healthy:
+            if self._health_ok():
+                self.healthy = True
+                log.info("%s %s: ready at %s (model %s)", cfg.role, cfg.worker_id, cfg.url, cfg.served_model_name)
+                self._register()
+            elif now - self.started_at > cfg.start_timeout:
+                self._restart_unresponsive(f"vLLM not healthy after {cfg.start_timeout:.0f} s")
+            return
+        if not self._health_ok():
+            self.failing_since = self.failing_since or now
+            if now - self.failing_since >= cfg.unhealthy_timeout:
+                self._restart_unresponsive(f"vLLM has failed /health for {cfg.unhealthy_timeout:.0f} s")
+            return
+        self.failing_since = None
+        if self.registrar is not None:
             try:
-                if self.http.get(f"{self.cfg.local_url}/health").status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            self.stopping.wait(1.0)
-        return False
-
-    def _heartbeat_until_stopped(self) -> None:
-        """Refresh the advertised load every ttl/3 until a signal arrives or vLLM exits."""
-        interval = self.cfg.heartbeat_ttl / 3
-        while not self.stopping.wait(interval):
-            if self._child_exited():
-                return
-            if self.registrar is None:
-                continue
-            try:
-                self.registrar.update_load(**read_load(self.http, self.cfg.local_url))
+                self.registrar.update_load(**read_load(self.http, cfg.local_url))
             except httpx.HTTPError as exc:
                 log.warning("reading load from vLLM failed: %s", exc)
+
+    def _supervise(self) -> int:
+        """Until a signal: watch vLLM every tick, check it every ttl/3; 0 on a stop, EXIT_GAVE_UP."""
+        interval = self.cfg.heartbeat_ttl / 3
+        next_check = 0.0
+        while not self.stopping.wait(TICK_S):
+            change = self.vllm.poll()
+            if change is not None and change.kind != "restarted":
+                # Out of the routers first: requests sent to a dead engine fail.
+                self._deregister()
+                self.healthy = False
+                log.error("%s %s: %s", self.cfg.role, self.cfg.worker_id, change.message)
+                if change.kind == "gave_up":
+                    return EXIT_GAVE_UP
+            if self.vllm.running() and (not self.healthy or time.monotonic() >= next_check):
+                self._check()
+                next_check = time.monotonic() + interval
+        return 0
 
     def _drain(self) -> None:
         """Wait until vLLM has no running or waiting request (twice in a row), bounded."""
         deadline = time.monotonic() + self.cfg.drain_timeout
         idle_polls = 0
-        while time.monotonic() < deadline and not self._child_exited():
+        while time.monotonic() < deadline and self.vllm.running():
             try:
                 load = read_load(self.http, self.cfg.local_url)
             except httpx.HTTPError as exc:
@@ -270,47 +342,20 @@ class Worker:
             if idle_polls >= 2:
                 return
             time.sleep(0.5)
-        if not self._child_exited():
+        if self.vllm.running():
             log.warning("drain: requests still in flight after %.0f s; stopping anyway", self.cfg.drain_timeout)
 
     def run(self) -> int:
-        cfg = self.cfg
-        # the user's own malloc settings win over the store-friendly defaults
-        self.child = spawn(cfg.vllm_argv(), env={k: v for k, v in MALLOC_ENV.items() if k not in os.environ})
-        log.info("%s %s: started vLLM (pid %d) on %s", cfg.role, cfg.worker_id, self.child.pid, cfg.local_url)
-        code, ready = 0, False
+        self.vllm.start()
         try:
-            ready = self._wait_healthy()
-            if not ready:
-                if self.stopping.is_set():
-                    return 0
-                if self._child_exited():
-                    log.error("vLLM exited with code %s before it was healthy", self.child.returncode)
-                else:
-                    log.error("vLLM not healthy after %.0f s", cfg.start_timeout)
-                return 1
-            log.info("%s %s: ready at %s (model %s)", cfg.role, cfg.worker_id, cfg.url, cfg.served_model_name)
-            if cfg.redis_url:
-                record = WorkerRecord(
-                    id=cfg.worker_id, role=cfg.role, url=cfg.url, model=cfg.served_model_name,
-                    kvstore_url=cfg.kvstore_url if cfg.connector else None,
-                    load={"running": 0, "waiting": 0},
-                )
-                self.registrar = Registrar(cfg.redis_url, record, cfg.heartbeat_ttl)
-                self.registrar.start()
-            self._heartbeat_until_stopped()
-            if self._child_exited():
-                log.error("vLLM exited unexpectedly with code %s", self.child.returncode)
-                code = 1
+            return self._supervise()
         finally:
-            if self.registrar is not None:
-                self.registrar.stop()
-            if ready and self.stopping.is_set() and not self._child_exited():
+            self._deregister()
+            if self.healthy and self.vllm.running():
                 self._drain()
-            stop_group(self.child, timeout_s=30.0, name="vLLM")
+            self.vllm.stop(timeout_s=30.0)
             self.http.close()
-            log.info("%s %s: stopped", cfg.role, cfg.worker_id)
-        return code
+            log.info("%s %s: stopped", self.cfg.role, self.cfg.worker_id)
 
 
 def configure_logging() -> None:
@@ -329,7 +374,4 @@ def run_worker(role: Role, argv: Sequence[str] | None) -> int:
     except WorkerError as exc:
         print(f"pdserve {role}: error: {exc}", file=sys.stderr)
         return 2
-    worker = Worker(cfg)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: worker.stopping.set())
-    return worker.run()
+    return Worker(cfg, StopFlag().install()).run()
