@@ -88,7 +88,7 @@ class SchedulerSide:
         self.saves = saves
         self.loads = loads
         self.handoff_wait_s = handoff_wait_s
-        self.client = KVStoreClient(**client_args)
+        self.client = KVStoreClient(**{**client_args, "shm": False})  # lookups and tail drops move no payload
         self.health = health_of(client_args)
         info = self.client.info()
         self.store_id = info.store_id or None

@@ -272,3 +272,29 @@ async def test_router_prefix_view_asks_only_the_store_the_params_name() -> None:
             await view.close()
     finally:
         store.proc.stop()
+
+
+def test_producer_store_is_chosen_by_id_not_url_string() -> None:
+    """Every Ray node's store is tcp://127.0.0.1:5556: params naming that URL under another
+    store's id are not ours, and a load there does not wait for an upload that will never come."""
+    from pdserve.kvstore.connector_plan import GroupGeometry, TransferJob
+    from pdserve.kvstore.connector_scheduler import SchedulerSide
+    from pdserve.kvstore.connector_worker import WorkerIO
+
+    store = Store("--store-id", "node-b")
+    args = {"url": store.url, "auth_token": None, "timeout_s": 1.0, "shm": None}
+    io = WorkerIO(args, "ns", [], writes=False)
+    try:
+        sched = SchedulerSide(args, "ns", CHUNK, [GroupGeometry(16)], saves=False, loads=True, handoff_wait_s=7.0)
+        assert (sched.store_id, sched.advertise_url) == ("node-b", store.url)
+        assert sched._producer_store({"kvstore_url": store.url, "kvstore_id": "node-b"}) == (None, "node-b")
+        assert sched._producer_store({"kvstore_url": store.url}) == (None, None)  # a producer without ids
+        assert sched._producer_store({"kvstore_url": store.url, "kvstore_id": "node-a"}) == (store.url, "node-a")
+        assert sched._producer_store({"kvstore_url": "tcp://10.0.0.1:5556", "kvstore_id": "node-a"}) == (
+            "tcp://10.0.0.1:5556", "node-a")
+        with KVStoreClient(**args) as client:
+            assert io._wait_budget(client, TransferJob("r", wait_s=7.0, store_url=store.url, store_id="node-b")) == 7.0
+            assert io._wait_budget(client, TransferJob("r", wait_s=7.0, store_url=store.url, store_id="node-a")) == 0.0
+    finally:
+        io.close()
+        store.proc.stop()
