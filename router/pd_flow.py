@@ -57,6 +57,7 @@ T = TypeVar("T")
 
 # Fields of the client's body that would contradict a one-token, unstreamed prefill.
 _PREFILL_DROP = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "best_of")
+# Workers that must answer one request with a 5xx before the client gets it (see the module docstring).
 ERROR_REPLY_WORKERS = 2
 
 

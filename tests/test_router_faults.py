@@ -141,7 +141,8 @@ def test_deeply_nested_json_is_a_400_and_the_connection_stays_usable(pd_stack: S
     url = urllib.parse.urlsplit(guarded.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     for depth in (200, 5000):  # under and over the depth where decoding JSON would recurse too deep
-        nested = b'{"model": "m", "prompt": "x", "metadata": ' + b"[" * depth + b"]" * depth + b"}"
+        deep = b"[" * depth + b"]" * depth
+        nested = b'{"model": "%s", "prompt": "x", "metadata": %s}' % (pd_stack.model.encode(), deep)
         conn.request("POST", "/v1/completions", body=nested, headers=AUTH)
         resp = conn.getresponse()
         err = json.loads(resp.read())["error"]
