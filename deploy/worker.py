@@ -12,7 +12,9 @@ vllm.entrypoints.openai.api_server` child. It adds exactly what vLLM cannot know
   seconds) the worker deregisters at once, restarts it with doubling delays, and
   registers again once it is healthy, so routers re-admit it through discovery. After
   --max-restarts restarts within the backoff window it gives up: it logs why and exits
-  with EXIT_GAVE_UP, which `pdserve up` takes as final.
+  with EXIT_GAVE_UP, which `pdserve up` takes as final. A vLLM that dies before it was
+  ever healthy is not restarted: that is a start-up problem (bad flags, no memory) that
+  a restart repeats, so the worker exits 1 at once, as before.
 Every argument we do not define passes to vLLM unchanged, so the flags users already
 run (`--tensor-parallel-size`, `--kv-cache-dtype`, `--api-key`, ...) just work.
 """
@@ -33,7 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.cli import split_passthrough
-from pdserve.deploy.children import Backoff, StopFlag, Supervised, spawn, stop_group
+from pdserve.deploy.children import Backoff, StopFlag, Supervised, describe_exit, spawn, stop_group
 from pdserve.kvstore.config import add_client_token_flag
 from pdserve.kvstore.malloc import ENV as MALLOC_ENV
 from pdserve.kvstore.vllm_release import installed_version, unsupported_reason
@@ -246,6 +248,7 @@ class Worker:
         self.registrar: Registrar | None = None
         self.http = httpx.Client(timeout=5.0)
         self.healthy = False  # the current vLLM has answered /health since it started
+        self.ever_healthy = False  # some vLLM of this worker has: only then are exits restarted
         self.started_at = 0.0
         self.failing_since: float | None = None  # when a healthy vLLM's /health began to fail
 
@@ -292,7 +295,7 @@ class Worker:
         cfg, now = self.cfg, time.monotonic()
         if not self.healthy:
             if self._health_ok():
-                self.healthy = True
+                self.healthy = self.ever_healthy = True
                 log.info("%s %s: ready at %s (model %s)", cfg.role, cfg.worker_id, cfg.url, cfg.served_model_name)
                 self._register()
             elif now - self.started_at > cfg.start_timeout:
@@ -311,7 +314,7 @@ class Worker:
                 log.warning("reading load from vLLM failed: %s", exc)
 
     def _supervise(self) -> int:
-        """Until a signal: watch vLLM every tick, check it every ttl/3; 0 on a stop, EXIT_GAVE_UP."""
+        """Until a signal: watch vLLM every tick, check it every ttl/3. 0 on a stop, else why not."""
         interval = self.cfg.heartbeat_ttl / 3
         next_check = 0.0
         while not self.stopping.wait(TICK_S):
@@ -320,6 +323,11 @@ class Worker:
                 # Out of the routers first: requests sent to a dead engine fail.
                 self._deregister()
                 self.healthy = False
+                if not self.ever_healthy:
+                    assert self.vllm.popen is not None
+                    log.error("%s %s: vLLM %s before it was ever healthy; not restarting it (see its log above)",
+                              self.cfg.role, self.cfg.worker_id, describe_exit(self.vllm.popen.returncode))
+                    return 1
                 log.error("%s %s: %s", self.cfg.role, self.cfg.worker_id, change.message)
                 if change.kind == "gave_up":
                     return EXIT_GAVE_UP
