@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.config import RouterConfig, build_parser, config_from_args
+from pdserve.router.connections import CloseUnreadBodies, head_deadline_protocol
 from pdserve.router.discovery import MembershipWatcher, WorkerRecord
 from pdserve.router.errors import RouterError
 from pdserve.router.health import HealthChecker
@@ -114,6 +115,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
+    app.add_middleware(CloseUnreadBodies)
 
     def counted(route: str, resp: Response) -> Response:
         if not isinstance(resp, StreamingResponse):  # a stream counts its own outcome when it ends
@@ -192,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-            loop="uvloop", http="httptools", timeout_graceful_shutdown=5,
+            loop="uvloop", http=head_deadline_protocol(cfg.header_timeout), timeout_graceful_shutdown=5,
         )
     )
     server.run()

@@ -44,6 +44,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
     max_request_bytes: int = 16 << 20
+    header_timeout: float = 30.0  # seconds for a client to send a request's head (request line and headers)
     body_timeout: float = 60.0  # seconds for a client to send its whole request body
     log_level: str = "info"
 
@@ -57,7 +58,8 @@ class RouterConfig:
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         positive = ("max_inflight_per_worker", "prefill_timeout", "decode_timeout", "connect_timeout",
-                    "health_interval", "breaker_failures", "max_request_bytes", "queue_timeout", "body_timeout")
+                    "health_interval", "breaker_failures", "max_request_bytes", "queue_timeout", "header_timeout",
+                    "body_timeout")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -102,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--breaker-cooldown", type=float, default=d["breaker_cooldown"].default)
     p.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
                    help="larger request bodies get 413")
+    p.add_argument("--header-timeout", type=float, default=d["header_timeout"].default,
+                   help="seconds a client has to send a request's head; slower connections are closed")
     p.add_argument("--body-timeout", type=float, default=d["body_timeout"].default,
                    help="seconds a client has to send its whole request body; slower ones get 408")
     p.add_argument("--log-level", default=d["log_level"].default, type=str.lower,
@@ -137,6 +141,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             breaker_failures=a.breaker_failures,
             breaker_cooldown=a.breaker_cooldown,
             max_request_bytes=a.max_request_bytes,
+            header_timeout=a.header_timeout,
             body_timeout=a.body_timeout,
             log_level=a.log_level,
         )

@@ -22,15 +22,13 @@ _INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_o
 # below Python's recursion limit that re-encoding the body or rendering a chat template cannot hit it.
 MAX_NESTING = 128
 _TOO_DEEP = f"request body is nested more than {MAX_NESTING} levels deep"
-# A refused body is not read to its end, so the connection cannot carry another request.
-_CLOSE = {"Connection": "close"}
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The request body: over `limit` bytes is a 413 without reading it all, slower than `timeout` s a 408."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RouterError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", headers=_CLOSE)
+        raise RouterError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
     try:
@@ -38,10 +36,10 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise RouterError(413, f"request body exceeds the limit of {limit} bytes", headers=_CLOSE)
+                    raise RouterError(413, f"request body exceeds the limit of {limit} bytes")
                 chunks.append(chunk)
     except TimeoutError:
-        raise RouterError(408, f"request body not received within {timeout:g} s", headers=_CLOSE) from None
+        raise RouterError(408, f"request body not received within {timeout:g} s") from None
     return b"".join(chunks)
 
 

@@ -98,12 +98,13 @@ def test_error_replies_reach_the_client_and_take_no_worker_out(
 
 # ---------------------------------------------------------------- bodies: depth, time, size
 
-BODY_TIMEOUT_S = 2
+HEAD_TIMEOUT_S = 2
+BODY_TIMEOUT_S = 3
 
 
 @pytest.fixture(scope="module")
 def guarded(pd_stack: Stack) -> Iterator[Proc]:
-    proc = start_router("--decode", pd_stack.decode.url, "--api-key", API_KEY,
+    proc = start_router("--decode", pd_stack.decode.url, "--api-key", API_KEY, "--header-timeout", str(HEAD_TIMEOUT_S),
                         "--body-timeout", str(BODY_TIMEOUT_S), "--max-request-bytes", "100000")
     try:
         yield proc
@@ -166,6 +167,27 @@ def test_a_body_that_stops_coming_gets_408_and_the_connection_is_closed(guarded:
     assert _closed_by_peer(sock)
     sock.close()
     assert httpx.get(guarded.url + "/health", timeout=30).status_code == 200
+
+
+def test_a_request_head_that_does_not_come_gets_the_connection_closed(guarded: Proc) -> None:
+    silent = _connect(guarded.url)  # connects and sends nothing
+    assert _closed_by_peer(silent)
+    silent.close()
+    partial = _connect(guarded.url)
+    partial.sendall(_head(guarded.url)[:40])  # the request line and part of a header, then nothing
+    assert _closed_by_peer(partial)
+    partial.close()
+
+
+def test_an_answer_given_before_the_body_arrived_closes_the_connection(guarded: Proc) -> None:
+    """A 401 is answered without reading the body; the rest of it must not keep the connection."""
+    sock = _connect(guarded.url)
+    head = _head(guarded.url, "Content-Length: 1000").replace(f"Authorization: Bearer {API_KEY}\r\n".encode(), b"")
+    sock.sendall(head + b'{"prompt": ')
+    status, connection, body = _response(sock)
+    assert status == 401 and connection == "close" and body["error"]["code"] == 401
+    assert _closed_by_peer(sock)
+    sock.close()
 
 
 def test_a_body_over_the_limit_gets_413_and_the_connection_is_closed(guarded: Proc) -> None:
