@@ -1,4 +1,4 @@
-"""docker-compose.yml and the images, checked without a Docker engine (none exists here).
+"""docker-compose.yml and the images, checked without a Docker engine (tests/test_compose_stack.py runs them).
 
 Two real validators read the compose file: check-jsonschema against the Compose
 Specification's JSON schema (vendored in check-jsonschema), and Docker Compose v2 itself

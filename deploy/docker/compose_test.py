@@ -160,7 +160,7 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
 
 
 def long_prompt(words: int) -> str:
-    """A deterministic prompt of roughly `words` to 2x`words` tokens of the tiny model's tokenizer."""
+    """A deterministic prompt of about 5x`words` tokens of the tiny model's tokenizer (measured)."""
     vocab = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
     return " ".join(f"{vocab[(i * 7) % len(vocab)]}{i % 13}" for i in range(words))
 
@@ -244,7 +244,7 @@ class Stack:
         report.check("completion answers", isinstance(done["choices"][0]["text"], str)
                      and done["usage"]["completion_tokens"] > 0, {"completion_tokens": done["usage"]["completion_tokens"]})
         router0, store0 = self.router_metrics(), self.store_metrics()
-        long = self.chat(long_prompt(1200))
+        long = self.chat(long_prompt(550))  # about 2900 tokens: 11 chunks, within --max-model-len 4096
         router1, store1 = self.router_metrics(), self.store_metrics()
         prompt_tokens = long["usage"]["prompt_tokens"]
         pd = metric_sum(router1, "pdserve_router_paths", path="pd") - metric_sum(router0, "pdserve_router_paths", path="pd")
@@ -261,7 +261,7 @@ class Stack:
         victim = rows[0]["Name"]
         docker(self.compose.env, "stop", "-t", "120", victim, timeout=300)
         answers = [self.chat(f"Still there? Question {i}.")["choices"][0]["message"]["content"] for i in range(4)]
-        long = self.chat(long_prompt(900), max_tokens=4)
+        long = self.chat(long_prompt(300), max_tokens=4)
         report.check("stack answers after a decode container stopped",
                      all(isinstance(a, str) for a in answers) and long["usage"]["completion_tokens"] > 0,
                      {"stopped": victim, "answers": len(answers) + 1})
@@ -288,6 +288,16 @@ def check_build_context(env: dict[str, str], report: Report, cleanup: ExitStack)
                                    for part in Path(n).parts)]
     report.check("build context carries no .venv, .git or caches", not bad and "ctx/pyproject.toml" in names,
                  {"files": len(names), "unwanted": bad[:5]})
+
+
+def take_down(compose: Compose, report: Report) -> None:
+    """`docker compose down -v`; nothing of the project (containers, networks, volumes) may remain."""
+    down = compose("down", "-v", "--remove-orphans", timeout=600, check=False)
+    label = f"label=com.docker.compose.project={PROJECT}"
+    left = {kind: docker(compose.env, kind, "ls", "-aq" if kind == "container" else "-q", "--filter", label).stdout.split()
+            for kind in ("container", "network", "volume")}
+    report.check("compose down -v", down.returncode == 0 and not any(left.values()),
+                 {"exit": down.returncode, "left": left})
 
 
 def run(report: Report, cleanup: ExitStack) -> None:
@@ -338,9 +348,7 @@ def run(report: Report, cleanup: ExitStack) -> None:
         finally:
             for wheel in staged:
                 wheel.unlink(missing_ok=True)
-    cleanup.callback(lambda: report.check(
-        "compose down -v", compose("down", "-v", "--remove-orphans", timeout=600, check=False).returncode == 0
-        and not compose.containers()))
+    cleanup.callback(take_down, compose, report)
     stack = Stack(compose, port)
     cleanup.callback(stack.http.close)
     with report.phase("up"):

@@ -29,6 +29,7 @@ from typing import Sequence
 
 SUITE = "bookworm"  # Debian 12: Python 3.11, as in python:3.11-slim
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+TRUST_KEY = Path("/etc/docker/key.json")  # dockerd 20.10 writes it there whatever its data root
 IMAGE_CA_BUNDLE = "/etc/ssl/certs/host-ca-bundle.crt"  # apart from the image's own, which apt may rewrite
 LOCAL_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1", "redis-server", "redis-tools")
 VENV = "/opt/venv"
@@ -168,6 +169,7 @@ class Daemon:
     root: Path
     run_dir: Path
     network_before: NetworkState
+    made_trust_key: bool
     log: Path = field(init=False)
 
     def __post_init__(self) -> None:
@@ -193,6 +195,10 @@ class Daemon:
             run(["umount", "-l", path], check=False)
         for path in (self.root, self.run_dir):
             shutil.rmtree(path, ignore_errors=True)
+        if self.made_trust_key:
+            TRUST_KEY.unlink(missing_ok=True)
+            if not any(TRUST_KEY.parent.iterdir()):
+                TRUST_KEY.parent.rmdir()
         return left
 
 
@@ -201,6 +207,7 @@ def start_daemon(timeout_s: float = 120.0) -> Daemon:
     binary = dockerd_binary()
     assert binary, "ensure_docker() first"
     before = NetworkState.read()
+    made_trust_key = not TRUST_KEY.exists()
     root = Path(tempfile.mkdtemp(prefix="pdserve-docker-", dir="/var/tmp"))
     run_dir = Path(tempfile.mkdtemp(prefix="pdsd-", dir="/run"))  # short: socket paths are limited to 107 bytes
     log = open(root / "dockerd.log", "wb")
@@ -208,7 +215,7 @@ def start_daemon(timeout_s: float = 120.0) -> Daemon:
             "--pidfile", str(run_dir / "dockerd.pid"), "--host", f"unix://{run_dir}/docker.sock"]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    daemon = Daemon(proc, root, run_dir, before)
+    daemon = Daemon(proc, root, run_dir, before, made_trust_key)
     env = {**os.environ, "DOCKER_HOST": daemon.host}
     deadline = time.monotonic() + timeout_s
     while not daemon_answers(env):
