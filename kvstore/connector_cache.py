@@ -102,31 +102,45 @@ class GroupCache:
     # ---------------------------------------------------------------- save
     def gather(self, block_ids: list[int]) -> torch.Tensor:
         """The object over `block_ids` as host bytes, complete when this returns."""
-        start = time.perf_counter()
-        out = self._gather(block_ids)
-        self.copy_counts["gather_bytes"] += out.numel()
-        self.copy_counts["gather_seconds"] += time.perf_counter() - start
-        return out
+        return self.gather_objects([block_ids])[0]
 
-    def _gather(self, block_ids: list[int]) -> torch.Tensor:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        if not self.cuda:
-            out = torch.empty(self.object_bytes(len(block_ids)), dtype=torch.uint8)
-            offset = 0
+    def gather_objects(self, block_lists: list[list[int]]) -> list[torch.Tensor]:
+        """Several objects as host bytes, complete when this returns: on CUDA one upload of the
+        block ids, the copies queued back to back, one download and one wait for all of them."""
+        start = time.perf_counter()
+        sizes = [self.object_bytes(len(ids)) for ids in block_lists]
+        flat = [b for ids in block_lists for b in ids]
+        out = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        ids = self._ids(flat)
+        offset = pos = 0
+        for block_ids in block_lists:
+            idx, pos = ids[pos : pos + len(block_ids)], pos + len(block_ids)
             for part in self.parts:
                 size = part.object_bytes(len(block_ids))
                 dst = out[offset : offset + size].view(len(part.views), len(block_ids), -1)
-                for layer, view in enumerate(part.views):
-                    torch.index_select(view, 0, idx, out=dst[layer])
                 offset += size
-            return out
-        assert self._ops is not None, "CUDA KV caches need Triton (pdserve.kernels)"
-        # On the engine's stream: ordered after this step's KV writes, before any later reuse.
-        on_gpu = torch.cat([self._ops[0](part.rows, idx).flatten() for part in self.parts])
-        host = torch.empty(on_gpu.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(on_gpu, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return host
+                if self._ops is not None:
+                    self._ops[0](part.rows, idx, out=dst)
+                else:
+                    for layer, view in enumerate(part.views):
+                        torch.index_select(view, 0, idx, out=dst[layer])
+        if self.cuda:
+            # On the engine's stream: ordered after this step's KV writes, before any later reuse.
+            host = torch.empty(out.numel(), dtype=torch.uint8, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+            out = host
+        self.copy_counts["gather_bytes"] += out.numel()
+        self.copy_counts["gather_seconds"] += time.perf_counter() - start
+        return list(out.split(sizes))
+
+    def _ids(self, block_ids: list[int]) -> torch.Tensor:
+        """Block ids on the caches' device in one copy, checked on the host (the kernels trust them)."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        num_blocks = self.views[0].shape[0]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise IndexError(f"block ids outside [0, {num_blocks})")
+        return ids.pin_memory().to(self.device, non_blocking=True) if self.cuda else ids
 
     # ---------------------------------------------------------------- load
     def fence(self) -> None:
@@ -138,48 +152,68 @@ class GroupCache:
 
     def scatter(self, payload: memoryview, block_ids: list[int], skip: int) -> None:
         """Write an object back, leaving its first `skip` blocks untouched; complete on return."""
+        self.scatter_objects([(payload, block_ids, skip)])
+
+    def scatter_objects(self, objects: list[tuple[memoryview, list[int], int]]) -> None:
+        """Write several objects back (payload, block ids, leading blocks to leave alone), complete
+        on return: on CUDA one staged upload, the copies queued back to back, one wait."""
         start = time.perf_counter()
-        self._scatter(payload, block_ids, skip)
-        self.copy_counts["scatter_bytes"] += len(payload)
+        targets = [[i for i in range(skip, len(ids)) if ids[i] != UNALLOCATED] for _, ids, skip in objects]
+        flat = [ids[i] for (_, ids, _), keep in zip(objects, targets) for i in keep]
+        sizes = [len(payload) for payload, _, _ in objects]
+        if not self.cuda:
+            payloads = [torch.frombuffer(p, dtype=torch.uint8) for p, _, _ in objects]
+            self._scatter_all(objects, targets, self._ids(flat), payloads)
+        else:
+            assert self._ops is not None and self._stream is not None
+            host = self._pinned_payloads(objects, sizes)
+            with torch.cuda.stream(self._stream):
+                if self._fence is not None:
+                    self._stream.wait_event(self._fence)
+                # From pinned memory, so the uploads are asynchronous too: only the synchronize
+                # below orders the load.
+                on_gpu = [t.to(self.device, non_blocking=True) for t in host]
+                self._scatter_all(objects, targets, self._ids(flat), on_gpu)
+            # Reported received only once the bytes are in the paged cache (and the staging is free).
+            self._stream.synchronize()
+        self.copy_counts["scatter_bytes"] += sum(sizes)
         self.copy_counts["scatter_seconds"] += time.perf_counter() - start
+
+    def _pinned_payloads(self, objects: list[tuple[memoryview, list[int], int]], sizes: list[int]) -> list[torch.Tensor]:
+        """The payloads in pinned memory: as they are when the store copied them into a pinned
+        buffer (shared memory path), else staged into this group's reused pinned buffer."""
+        payloads = [torch.frombuffer(payload, dtype=torch.uint8) for payload, _, _ in objects]
+        if all(t.is_pinned() for t in payloads):
+            return payloads
+        total = sum(sizes)
+        if self._pinned is None or self._pinned.numel() < total:
+            self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        staged = list(self._pinned[:total].split(sizes))
+        for dst, src in zip(staged, payloads):
+            dst.copy_(src)
+        return staged
+
+    def _scatter_all(self, objects: list[tuple[memoryview, list[int], int]], targets: list[list[int]],
+                     ids: torch.Tensor, payloads: list[torch.Tensor]) -> None:
+        pos = 0
+        for (_, block_ids, skip), keep, whole in zip(objects, targets, payloads):
+            if not keep:
+                continue
+            idx, pos = ids[pos : pos + len(keep)], pos + len(keep)
+            offset = 0
+            for part in self.parts:
+                size = part.object_bytes(len(block_ids))
+                src = whole[offset : offset + size].view(len(part.views), len(block_ids), -1)
+                offset += size
+                # a plain run of blocks (the usual case) is a view; only holes make a copy
+                src = src[:, skip:] if len(keep) == len(block_ids) - skip else src[:, keep]
+                if self._ops is not None:
+                    self._ops[1](src.contiguous(), part.rows, idx)
+                    continue
+                for layer, view in enumerate(part.views):
+                    _copy_rows(view, idx, src[layer])
 
     def take_copy_counts(self) -> dict[str, float]:
         """Counts since the last take (each counter is written by one thread only)."""
         counts, self.copy_counts = self.copy_counts, dict.fromkeys(COPY_COUNTERS, 0.0)
         return counts
-
-    def _scatter(self, payload: memoryview, block_ids: list[int], skip: int) -> None:
-        keep = [i for i in range(skip, len(block_ids)) if block_ids[i] != UNALLOCATED]
-        if not keep:
-            return
-        whole = torch.frombuffer(payload, dtype=torch.uint8)
-        if not self.cuda:
-            self._scatter_parts(whole, block_ids, keep, skip)
-            return
-        assert self._ops is not None and self._stream is not None
-        # Pinned, so the upload is asynchronous too: only the synchronize below orders the load.
-        if self._pinned is None or self._pinned.numel() < whole.numel():
-            self._pinned = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=True)
-        staged = self._pinned[: whole.numel()]
-        staged.copy_(whole)
-        with torch.cuda.stream(self._stream):
-            if self._fence is not None:
-                self._stream.wait_event(self._fence)
-            self._scatter_parts(staged.to(self.device, non_blocking=True), block_ids, keep, skip)
-        # Reported received only once the bytes are in the paged cache (and the staging is free).
-        self._stream.synchronize()
-
-    def _scatter_parts(self, whole: torch.Tensor, block_ids: list[int], keep: list[int], skip: int) -> None:
-        idx = torch.tensor([block_ids[i] for i in keep], dtype=torch.long, device=self.device)
-        offset = 0
-        for part in self.parts:
-            size = part.object_bytes(len(block_ids))
-            src = whole[offset : offset + size].view(len(part.views), len(block_ids), -1)
-            offset += size
-            # a plain run of blocks (the usual case) is a view; only holes make a copy
-            src = src[:, skip:] if len(keep) == len(block_ids) - skip else src[:, keep]
-            if self._ops is not None:
-                self._ops[1](src.contiguous(), part.rows, idx)
-                continue
-            for layer, view in enumerate(part.views):
-                _copy_rows(view, idx, src[layer])

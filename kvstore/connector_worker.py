@@ -55,6 +55,14 @@ def _log_failure(exc: Exception, what: str) -> None:
         log.exception("%s: unexpected error", what)
 
 
+def _by_group(objects: list[ObjectSpec]) -> dict[int, list[int]]:
+    """Indexes of `objects` per KV group, in order."""
+    groups: dict[int, list[int]] = {}
+    for i, spec in enumerate(objects):
+        groups.setdefault(spec.group, []).append(i)
+    return groups
+
+
 def _targets(spec: ObjectSpec) -> list[int]:
     """The blocks a load of `spec` writes."""
     return [b for b in spec.block_ids[spec.skip_blocks:] if b != UNALLOCATED]
@@ -112,7 +120,11 @@ class WorkerIO:
         # there. An object over it holds no KV, so it is not saved (a later lookup just
         # stops at that chunk).
         job.objects = [o for o in job.objects if NULL_BLOCK not in o.block_ids]
-        buffers = [self.groups[o.group].gather(o.block_ids) for o in job.objects]
+        buffers: list[torch.Tensor] = [torch.empty(0)] * len(job.objects)
+        for group, members in _by_group(job.objects).items():  # one copy-out per group, not per object
+            gathered = self.groups[group].gather_objects([job.objects[i].block_ids for i in members])
+            for i, buf in zip(members, gathered):
+                buffers[i] = buf
         self._saves.put((job, buffers))
 
     def _save_loop(self) -> None:
@@ -243,7 +255,9 @@ class WorkerIO:
         total = sum(sizes)
         staging = getattr(self._local, "staging", None)
         if staging is None or staging.numel() < total:
-            staging = self._local.staging = torch.empty(total, dtype=torch.uint8)
+            # Pinned for CUDA caches: the upload to the GPU then reads straight from it.
+            pinned = any(group.cuda for group in self.groups)
+            staging = self._local.staging = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
         views, offset = [], 0
         for size in sizes:
             views.append(staging[offset : offset + size].numpy())
@@ -252,25 +266,31 @@ class WorkerIO:
 
     def _load_one(self, client: KVStoreClient, job: TransferJob, health: StoreHealth) -> LoadOutcome:
         outcome = LoadOutcome(job.req_id)
-        for spec, data in zip(job.objects, self._fetch(client, job, health)):
-            if self._write(spec, data):
-                outcome.loaded_bytes += len(data)
-            else:
+        fetched = self._fetch(client, job, health)
+        usable = [i for i, (spec, data) in enumerate(zip(job.objects, fetched)) if self._usable(spec, data)]
+        for i, (spec, data) in enumerate(zip(job.objects, fetched)):
+            if i not in usable:
                 outcome.ok = False
                 outcome.failed_block_ids.update(_targets(spec))
+        with self._write_lock:  # one group's objects in one copy-in
+            for group, members in _by_group([job.objects[i] for i in usable]).items():
+                chosen = [usable[m] for m in members]
+                self.groups[group].scatter_objects(
+                    [(fetched[i], job.objects[i].block_ids, job.objects[i].skip_blocks) for i in chosen]
+                )
+                outcome.loaded_bytes += sum(len(fetched[i]) for i in chosen)
         if not outcome.ok:
             log.warning("load of %s: %d blocks missing or corrupt, vLLM recomputes them", job.req_id, len(outcome.failed_block_ids))
         return outcome
 
-    def _write(self, spec: ObjectSpec, data: memoryview | None) -> bool:
-        group = self.groups[spec.group]
+    def _usable(self, spec: ObjectSpec, data: memoryview | None) -> bool:
+        """A fetched object may be written: present, over real blocks, and of the size its blocks hold."""
         if data is None or NULL_BLOCK in _targets(spec):
             return False
-        if len(data) != group.object_bytes(len(spec.block_ids)):
-            log.warning("object of group %d has %d bytes, expected %d", spec.group, len(data), group.object_bytes(len(spec.block_ids)))
+        expected = self.groups[spec.group].object_bytes(len(spec.block_ids))
+        if len(data) != expected:
+            log.warning("object of group %d has %d bytes, expected %d", spec.group, len(data), expected)
             return False
-        with self._write_lock:
-            group.scatter(data, spec.block_ids, spec.skip_blocks)
         return True
 
     def close(self) -> None:

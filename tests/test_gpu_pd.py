@@ -58,7 +58,7 @@ MAX_TOKENS = 16
 LENGTHS = (40, 255, 256, 257, 1000, 1025, 2047, 3000)
 GPU_ENGINE_ARGS = (
     "--max-model-len", "8192", "--max-num-seqs", "16", "--enforce-eager",
-    "--kv-cache-memory-bytes", str(4 << 30), "--enable-prompt-tokens-details",
+    "--kv-cache-memory-bytes", str(4 << 30), "--gpu-memory-utilization", "0.15", "--enable-prompt-tokens-details",
 )
 CPU_ENGINE_ARGS = (*ENGINE_ARGS, "--enable-prompt-tokens-details")
 ARCHS = {"deepseek_v3": (), "deepseek_v32": ("--kv-cache-dtype", "fp8_ds_mla")}
@@ -150,6 +150,27 @@ class GPUStack:
             proc.stop()
 
 
+def connector_counts(stack: "GPUStack", port: int) -> dict[str, float]:
+    """An engine's vllm:pdserve_* counters (loads, failed_loads, saved_bytes, ...), summed."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{stack.url(port)}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:pdserve_"):
+            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("vllm:pdserve_").removesuffix("_total")
+            counts[name] = counts.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def _settled_counts(stack: "GPUStack", port: int, key: str, want: float) -> dict[str, float]:
+    """vLLM ships connector stats to /metrics with its periodic logging: wait (bounded) for `key` to reach `want`."""
+    counts = connector_counts(stack, port)
+    for _ in range(60):
+        if counts.get(key, 0.0) >= want:
+            break
+        time.sleep(0.5)
+        counts = connector_counts(stack, port)
+    return counts
+
+
 def cached_tokens(out: dict) -> int:
     return int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
@@ -179,6 +200,7 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def test_pd_through_the_router_equals_colocated(stack: GPUStack) -> None:
     """P/D greedy tokens equal a colocated engine's for prompts across block and chunk edges,
     and the decode engine loaded each prompt instead of computing it."""
+    before = connector_counts(stack, stack.decode_port)
     for length in LENGTHS:
         prompt = prompt_of(length, seed=1)
         reference = stack.complete(stack.coloc_port, prompt)
@@ -187,6 +209,11 @@ def test_pd_through_the_router_equals_colocated(stack: GPUStack) -> None:
         assert cached_tokens(reference) == 0
         # vLLM loads all but the last prompt token (it computes that one to sample).
         assert cached_tokens(pd) >= length - 1 - (length - 1) % 16, (length, pd["usage"])
+    # cached_tokens counts what vLLM was promised; the connector's counters say every load landed.
+    after = _settled_counts(stack, stack.decode_port, "loads", before.get("loads", 0) + len(LENGTHS))
+    assert after.get("loads", 0) - before.get("loads", 0) == len(LENGTHS), (before, after)
+    assert after.get("failed_loads", 0) == before.get("failed_loads", 0), (before, after)
+    assert after.get("scatter_bytes", 0) > before.get("scatter_bytes", 0)
 
 
 def test_prefix_saved_by_one_engine_is_loaded_by_another(stack: GPUStack) -> None:
@@ -197,9 +224,13 @@ def test_prefix_saved_by_one_engine_is_loaded_by_another(stack: GPUStack) -> Non
     reference = stack.complete(stack.coloc_port, prompt)
     stack.complete(stack.prefill_port, prompt, max_tokens=1)
     _wait_for_chunks(stack, prompt, [stack.store])
+    before = connector_counts(stack, stack.decode_port)
     loaded = stack.complete(stack.decode_port, prompt)
     assert loaded["choices"][0]["text"] == reference["choices"][0]["text"]
     assert cached_tokens(loaded) >= 4 * CHUNK
+    after = _settled_counts(stack, stack.decode_port, "loads", before.get("loads", 0) + 1)
+    assert after.get("loads", 0) == before.get("loads", 0) + 1 and after.get("failed_loads", 0) == before.get(
+        "failed_loads", 0), (before, after)
 
 
 def _chunks_in(store: Store, stack: GPUStack, prompt: list[int]) -> int:
@@ -214,7 +245,12 @@ def _wait_for_chunks(stack: GPUStack, prompt: list[int], stores: list[Store]) ->
         if all(_chunks_in(s, stack, prompt) == want for s in stores):
             return
         time.sleep(0.1)
-    raise AssertionError(f"chunks never reached the stores: {[_chunks_in(s, stack, prompt) for s in stores]}")
+    store_stats = [httpx.get(f"http://127.0.0.1:{s.http_port}/stats", timeout=10).json() for s in stores]
+    raise AssertionError(
+        f"chunks never reached the stores: {[_chunks_in(s, stack, prompt) for s in stores]} in namespace "
+        f"{stack.namespace}; stores: {store_stats}; prefill engine: {connector_counts(stack, stack.prefill_port)}; "
+        f"log: {stack.procs[2].log_tail(3000)}"
+    )
 
 
 CONSUMER = textwrap.dedent(
@@ -225,20 +261,20 @@ CONSUMER = textwrap.dedent(
     from vllm.config import KVTransferConfig
     from pdserve.kvstore import connector_worker
 
-    loaded = []  # per object written: group, chunk key, and its blocks read back from the paged cache
-    write = connector_worker.WorkerIO._write
+    loaded = []  # per object loaded: group, chunk key, and its blocks read back from the paged cache
+    load_one = connector_worker.WorkerIO._load_one
 
-    def recording_write(self, spec, data):
-        ok = write(self, spec, data)
-        if ok:
+    def recording_load_one(self, client, job, health):
+        outcome = load_one(self, client, job, health)
+        for spec in job.objects if outcome.ok else ():
             group = self.groups[spec.group]
             ids = torch.tensor(spec.block_ids, device=group.device)
             back = torch.cat([torch.stack([v[ids] for v in part.views]).flatten() for part in group.parts])
             loaded.append({"group": spec.group, "key": spec.key.hex() if spec.key else None,
                            "skip": spec.skip_blocks, "bytes": back.cpu().numpy().tobytes().hex()})
-        return ok
+        return outcome
 
-    connector_worker.WorkerIO._write = recording_write
+    connector_worker.WorkerIO._load_one = recording_load_one
 
     if __name__ == "__main__":
         model, url, prompt, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
@@ -258,7 +294,13 @@ def _llm_kwargs(arch: str) -> dict:
         key = args[i].lstrip("-").replace("-", "_")
         if i + 1 < len(args) and not args[i + 1].startswith("--"):
             value: object = args[i + 1]
-            out[key] = int(value) if str(value).isdigit() else value
+            for kind in (int, float):
+                try:
+                    value = kind(value)
+                    break
+                except ValueError:
+                    pass
+            out[key] = value
             i += 2
         else:
             out[key] = True
