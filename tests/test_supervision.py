@@ -4,8 +4,9 @@ Units first (no engine): the backoff and cap of `Supervised` on real child proce
 that always exit, `StopFlag`'s handler (no call, so no lock), and a `pdserve up`-like
 parent with cheap children under a burst of nested signals. Then one real `pdserve up`
 (KV store, two decode workers on the tiny DeepSeek-V3, router, Redis discovery) shared
-by the kill tests: kill -9 of one decode engine under load, then of the KV store; the
-last test stops the stack with Ctrl-C.
+by the fault tests: under load, kill -9 of one decode worker's engine core, then SIGSTOP of
+the other's server (hung, not dead); then kill -9 of the KV store; the last test stops
+the stack with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -308,31 +309,48 @@ class Load:
         self._thread.join(HANG_S)
 
 
-@pytest.mark.engine
-def test_killed_decode_engine_is_restarted_and_readmitted_while_the_other_serves(stack: UpStack) -> None:
+def _fault_under_load(stack: UpStack, index: int, fault: Callable[[int], None]) -> str:
+    """Apply fault to decode-<index>'s vLLM server while chat requests flow through the router;
+    check that the other worker serves every request meanwhile, that this one is restarted and
+    re-admitted, and that `up` reported it down and kept running. Returns the worker's log."""
     assert _ready(stack)["decode"] == {"healthy": 2, "known": 2}
-    supervisor = _child_of(stack.popen.pid, "decode", f"--port {stack.decode_port + 1}")
+    name, other = f"decode-{index}", 1 - index
+    supervisor = _child_of(stack.popen.pid, "decode", f"--port {stack.decode_port + index} ")
     vllm = _child_of(supervisor, "vllm.entrypoints.openai.api_server")
-    healthy_vllm = _child_of(_child_of(stack.popen.pid, "decode", f"--port {stack.decode_port} "),
-                             "vllm.entrypoints.openai.api_server")
-    worker_log = stack.log_dir / "decode-1.log"
+    other_vllm = _child_of(_child_of(stack.popen.pid, "decode", f"--port {stack.decode_port + other} "),
+                           "vllm.entrypoints.openai.api_server")
+    worker_log = stack.log_dir / f"{name}.log"
     with Load(stack) as load:
         _wait("a first answer", lambda: any(s == 200 for _, s in load.results), stack)
-        os.kill(_engine_core(vllm), signal.SIGKILL)
-        _wait("the router dropping decode-1", lambda: _ready(stack).get("decode", {}).get("healthy") == 1, stack)
+        fault(vllm)
+        _wait(f"the router dropping {name}", lambda: _ready(stack).get("decode", {}).get("healthy") == 1, stack)
         down_at = time.monotonic()
-        _wait("a new vLLM for decode-1", lambda: re.search(
+        _wait(f"a new vLLM for {name}", lambda: re.search(
             rf"started vLLM \(pid (?!{vllm}\b)\d+\)", worker_log.read_text(errors="replace")), stack)
-        _wait("the router re-admitting decode-1", lambda: _ready(stack).get("decode") == {"healthy": 2, "known": 2},
-              stack)
+        _wait(f"the router re-admitting {name}",
+              lambda: _ready(stack).get("decode") == {"healthy": 2, "known": 2}, stack)
         back_at = time.monotonic()
         _wait("an answer after re-admission", lambda: any(t > back_at and s == 200 for t, s in load.results), stack)
     while_down = [status for start, status in load.results if down_at <= start < back_at]
-    assert while_down and set(while_down) == {200}, f"requests while decode-1 was down: {while_down}"
+    assert while_down and set(while_down) == {200}, f"requests while {name} was down: {while_down}"
     assert stack.popen.poll() is None, stack.stderr_tail()
-    assert os.path.exists(f"/proc/{healthy_vllm}"), "the healthy worker's vLLM was touched"
-    assert "restarting it in" in worker_log.read_text(errors="replace")
-    assert "down: decode-1;" in stack.stderr_tail(20000)
+    assert os.path.exists(f"/proc/{other_vllm}"), "the healthy worker's vLLM was touched"
+    assert f"down: {name};" in stack.stderr_tail(20000)
+    return worker_log.read_text(errors="replace")
+
+
+@pytest.mark.engine
+def test_killed_decode_engine_is_restarted_and_readmitted_while_the_other_serves(stack: UpStack) -> None:
+    log = _fault_under_load(stack, 1, lambda vllm: os.kill(_engine_core(vllm), signal.SIGKILL))
+    assert "restarting it in 1.0 s (1 of 5 restarts" in log
+
+
+@pytest.mark.engine
+def test_hung_decode_server_is_restarted_after_failing_health(stack: UpStack) -> None:
+    """A stopped (not dead) server: only its failing /health shows it; the worker restarts it."""
+    log = _fault_under_load(stack, 0, lambda vllm: os.kill(vllm, signal.SIGSTOP))
+    assert "vLLM has failed /health for 30 s; restarting it" in log
+    assert "vLLM was killed by SIGKILL; restarting it in" in log
 
 
 @pytest.mark.engine
