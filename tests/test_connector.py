@@ -18,6 +18,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from pdserve.kvstore import vllm_compat
 from pdserve.kvstore.client import KVStoreClient
 from pdserve.kvstore.keys import chunk_keys
 from procs import Proc, free_port, pdserve_argv, start_process, start_vllm_server
@@ -96,13 +97,17 @@ LENGTHS = [40, 255, 256, 257, 600, 768, 1030, 1300]
 
 
 @pytest.fixture(scope="module")
-def ds3(tiny_deepseek_v3: Path) -> Iterator[PDPair]:
-    pair = PDPair(tiny_deepseek_v3)
+def ds3(tiny_one_group: Path) -> Iterator[PDPair]:
+    """DeepSeek-V3 where the CPU build runs MLA, else a one-group Gemma-3 (see conftest).
+
+    vLLM turns its own prefix cache off for MLA on the CPU; off for Gemma too, so every
+    reuse these tests see comes from the store."""
+    pair = PDPair(tiny_one_group, extra=("--no-enable-prefix-caching",))
     yield pair
     pair.stop()
 
 
-def test_pd_equals_colocated_deepseek_v3(ds3: PDPair) -> None:
+def test_pd_equals_colocated_one_group(ds3: PDPair) -> None:
     texts = set()
     for prompt in prompts(1, LENGTHS):
         want = ds3.baseline(prompt)
@@ -247,19 +252,46 @@ def _live_tails(stats: dict) -> int:
 
 
 def test_gemma3_hybrid_pd_equals_colocated(tiny_gemma3: Path) -> None:
-    """Sliding-window + full groups with the hybrid KV cache manager on."""
-    pair = PDPair(tiny_gemma3, extra=("--prefix-cache-retention-interval", str(CHUNK)))
+    """Sliding-window + full groups with the hybrid KV cache manager on.
+
+    vLLM with per-request load failures (get_transfer_results) loads both groups. Older
+    vLLM can map a failed load back only through one group, so there the connector does
+    not load for this model: the decode recomputes, loads nothing, and must still answer
+    exactly like the colocated run.
+    """
+    loads = vllm_compat.PER_REQUEST_LOAD_FAILURES
+    extra = ("--prefix-cache-retention-interval", str(CHUNK)) if _has_retention_interval() else ()
+    pair = PDPair(tiny_gemma3, extra=extra)
     try:
         for prompt in prompts(8, [40, 256, 300, 700, 1100]):
             want = pair.baseline(prompt)
-            got, cached = pair.decode(prompt, pair.prefill(prompt))
+            params = pair.prefill(prompt)
+            got, cached = pair.decode(prompt, params)
             assert got == want, f"{len(prompt)} tokens: P/D output differs from colocated"
-            assert cached >= len(prompt) - 1
+            if loads:
+                assert cached >= len(prompt) - 1
+            else:
+                assert cached == 0, f"{len(prompt)} tokens: {cached} cached although loads are off"
         rng = random.Random(9)
         shared = [rng.randrange(3, 1000) for _ in range(2 * CHUNK)]
         pair.decode(shared + [5] * 40, None)
         second = shared + [rng.randrange(3, 1000) for _ in range(90)]
         got, cached = pair.decode(second, None)
-        assert cached >= 2 * CHUNK and got == pair.baseline(second)
+        assert got == pair.baseline(second)
+        if loads:
+            assert cached >= 2 * CHUNK
+        # The producer saves either way: its baseline run stored the shared prefix's chunks
+        # (every one in the full-attention group; the sliding-window group keeps fewer).
+        ns = params["namespace"]
+        keys = chunk_keys(ns, shared, CHUNK)
+        with KVStoreClient(pair.store_url) as client:
+            assert _eventually(lambda: max(client.lookup(ns, keys, [g]) for g in (0, 1)) == len(keys))
     finally:
         pair.stop()
+
+
+def _has_retention_interval() -> bool:
+    """`--prefix-cache-retention-interval` exists from vLLM 0.32 (and in the seeds' fork)."""
+    from vllm.config import CacheConfig
+
+    return "prefix_cache_retention_interval" in CacheConfig.__dataclass_fields__

@@ -21,7 +21,7 @@ OFFLINE_SCRIPT = textwrap.dedent(
         model, url = sys.argv[1], sys.argv[2]
         llm = LLM(
             model=model, load_format="dummy", max_model_len=2048, max_num_seqs=4, enforce_eager=True,
-            kv_cache_memory_bytes=256 << 20,
+            kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False,  # the store is the only reuse path
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PDServeConnector", kv_role="kv_both",
                 kv_connector_extra_config={"kvstore_url": url, "kvstore_shm": False},
@@ -46,7 +46,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, **ENGINE_ENV}
 
 
-def test_offline_llm_reuses_prefix_from_the_store(tiny_deepseek_v3: Path, tmp_path: Path) -> None:
+def test_offline_llm_reuses_prefix_from_the_store(tiny_one_group: Path, tmp_path: Path) -> None:
     """Over TCP (kvstore_shm false): the path a worker takes to a store on another host."""
     port, http_port = free_port(), free_port()
     store = start_process(
@@ -58,7 +58,7 @@ def test_offline_llm_reuses_prefix_from_the_store(tiny_deepseek_v3: Path, tmp_pa
         script = tmp_path / "offline.py"
         script.write_text(OFFLINE_SCRIPT)
         run = subprocess.run(
-            [sys.executable, str(script), str(tiny_deepseek_v3), f"tcp://127.0.0.1:{port}"],
+            [sys.executable, str(script), str(tiny_one_group), f"tcp://127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=900, env=_env(),
         )
         lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -75,12 +75,12 @@ def test_offline_llm_reuses_prefix_from_the_store(tiny_deepseek_v3: Path, tmp_pa
         store.stop()
 
 
-def test_engine_refuses_to_start_without_its_store(tiny_deepseek_v3: Path) -> None:
+def test_engine_refuses_to_start_without_its_store(tiny_one_group: Path) -> None:
     dead = f"tcp://127.0.0.1:{free_port()}"
     config = {"kv_connector": "PDServeConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"kvstore_url": dead, "timeout_s": 2}}
     run = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_deepseek_v3),
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_one_group),
          "--load-format", "dummy", "--port", str(free_port()), "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager", "--kv-transfer-config", json.dumps(config)],
         capture_output=True, text=True, timeout=600, env=_env(),

@@ -79,10 +79,10 @@ def test_advertised_url_defaults_to_a_reachable_address() -> None:
     assert cfg.url == "http://127.0.0.1:9"
 
 
-def test_missing_connector_fails_at_start_with_a_clear_message(tiny_deepseek_v3: Path) -> None:
+def test_missing_connector_fails_at_start_with_a_clear_message(tiny_one_group: Path) -> None:
     """With vLLM's plugins filtered out, PDServeConnector is unknown: exit 2 before any engine starts."""
     result = subprocess.run(
-        pdserve_argv("prefill", "--model", str(tiny_deepseek_v3), "--kvstore-url", "tcp://127.0.0.1:1"),
+        pdserve_argv("prefill", "--model", str(tiny_one_group), "--kvstore-url", "tcp://127.0.0.1:1"),
         env={**os.environ, **ENGINE_ENV, "VLLM_PLUGINS": "no-such-plugin"},
         capture_output=True, text=True, timeout=300,
     )
@@ -110,13 +110,13 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def worker(tiny_deepseek_v3: Path, redis_url: str):
+def worker(tiny_one_group: Path, redis_url: str):
     client = redis.Redis.from_url(redis_url)
     worker_id = f"decode-test-{free_port()}"
     port = free_port()
     proc = start_process(
         pdserve_argv(
-            "decode", "--model", str(tiny_deepseek_v3), "--no-connector", "--redis-url", redis_url,
+            "decode", "--model", str(tiny_one_group), "--no-connector", "--redis-url", redis_url,
             "--port", str(port), "--worker-id", worker_id, "--heartbeat-ttl", "3",
             "--", "--load-format", "dummy", *ENGINE_ARGS,
         ),
@@ -124,7 +124,7 @@ def worker(tiny_deepseek_v3: Path, redis_url: str):
         name="pdserve-decode", port=port, env=ENGINE_ENV, timeout=ENGINE_START_TIMEOUT_S, poll_s=1.0,
     )
     try:
-        yield Worker(proc, worker_id, str(tiny_deepseek_v3), client)
+        yield Worker(proc, worker_id, str(tiny_one_group), client)
     finally:
         proc.stop()
         client.close()
