@@ -68,15 +68,12 @@ def describe_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     groups = []
     all_mla = True
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        # One group may hold layers of several specs (DeepSeek-V3.2: latent + indexer keys).
-        inner = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]
-        all_mla &= all(isinstance(s, MLAAttentionSpec) for s in inner)
-        dtype = "+".join(sorted({_dtype_name(s) for s in inner}))
+        spec = _scheduler_view(group.kv_cache_spec)
+        all_mla &= isinstance(spec, MLAAttentionSpec)
         groups.append(
             KVGroupLayout(
                 name=f"{i}:{type(spec).__name__}",
-                dtype=dtype,
+                dtype=_dtype_name(spec),
                 bytes_per_token=spec.page_size_bytes // spec.block_size,
                 block_size=spec.block_size,
                 num_layers=len(group.layer_names),
@@ -89,6 +86,19 @@ def describe_layout(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     if isinstance(model, list):
         model = model[0]
     return KVLayout(model=str(model), groups=tuple(groups), parallel=parallel), all_mla
+
+
+def _scheduler_view(spec: Any) -> Any:
+    """The spec of a group as the scheduler's connector sees it.
+
+    A group may hold layers of several sizes of one type (DeepSeek-V3.2: the fp8_ds_mla latent
+    and the indexer keys): workers get all of them (UniformTypeKVCacheSpecs), the scheduler only
+    the first (vLLM's generate_scheduler_kv_cache_config). Both halves must describe the same
+    layout, or they compute different namespaces and the scheduler's lookups miss what the
+    workers saved; so both describe the first.
+    """
+    inner = getattr(spec, "kv_cache_specs", None)
+    return next(iter(inner.values())) if inner else spec
 
 
 def _dtype_name(spec: Any) -> str:
