@@ -24,6 +24,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "connector"): ("pdserve.kvstore.bench_connector", "benchmark TTFT: recompute vs store vs ExampleConnector"),
     ("bench", "kernels"): ("pdserve.kernels.bench", "benchmark paged gather/scatter and fp8_ds_mla codecs on a GPU"),
     ("bench", "serve"): ("pdserve.router.bench_serve", "benchmark an OpenAI endpoint (TTFT, TPOT, ITL)"),
+    ("bench", "faults"): ("pdserve.deploy.bench_faults", "break a local stack under load; soak it (RSS, TTFT)"),
     ("ray",): ("pdserve.deploy.ray_cli", "status and teardown of a pdserve stack on Ray"),
 }
 

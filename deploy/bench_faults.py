@@ -1,0 +1,437 @@
+"""`pdserve bench faults`: break the stack under load, count what clients got, check nothing leaked.
+
+One stack (deploy/fault_stack.py: store, 1 prefill + 2 decode workers through Redis,
+router) serves a small concurrent load (a few client streams of mixed short and long
+prompts, chat and completions, streamed and not) while each scenario in turn does one
+thing to it: kill -9 of a prefill engine, of a decode engine, of the KV store, of
+Redis; clients that hang up mid-stream; bad inputs. For every request a scenario
+saw, the outcome is one of: a full answer; a clean OpenAI error (status >= 400 with a
+JSON `error` body, or an error event ending a stream); a hang (nothing within HANG_S);
+a 5xx without a JSON body; broken (cut stream, short answer, transport error); or an
+abort the client made on purpose. After the load stops, the scenario waits out the
+store's tail TTL and reads the leaks: live request tails on the store's /stats, and
+vLLM's running + waiting requests on every engine. A scenario has recovered when every
+part is back (restarted ones included) and a normal request gets a full answer.
+
+`tests/test_faults_suite.py` runs `run_scenarios` and asserts on the rows it returns.
+`--soak-minutes N` then keeps the load on for N minutes and prints, each minute, the
+RSS of every process of the stack and the TTFT p50/p99 of the streamed requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import httpx
+
+from pdserve.deploy.fault_stack import TAIL_TTL_S, FaultStack
+
+HANG_S = 300.0  # per request: only a request that really hangs gets near it
+RECOVERY_S = 900.0  # a restarted vLLM takes 35-170 s to start on 2 shared cores
+SETTLE_S = 3 * TAIL_TTL_S + 60.0  # leaks are read once this has passed or everything is at 0
+KINDS = ("full", "error", "aborted", "hang", "5xx_nojson", "broken")
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+WORDS = "the river runs past the old stone bridge where the miller counts his sacks of grain".split()
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One kind of request in the mix."""
+
+    route: str
+    stream: bool
+    words: int
+    max_tokens: int
+
+
+# Short prompts fit in one store chunk; long ones (about 5 tokens a word here) span several.
+SHAPES: tuple[Shape, ...] = (
+    Shape("chat", True, 12, 16),
+    Shape("completions", False, 160, 8),
+    Shape("completions", True, 160, 24),
+    Shape("chat", False, 12, 16),
+    Shape("chat", True, 220, 12),
+    Shape("completions", False, 20, 32),
+)
+
+
+@dataclass
+class Outcome:
+    kind: str
+    started: float
+    ttft: float | None = None  # streamed answers only
+    detail: str = ""
+
+
+def _prompt(words: int, salt: int) -> str:
+    return f"{salt}: " + " ".join(WORDS[(salt + i) % len(WORDS)] for i in range(words))
+
+
+def request_body(model: str, shape: Shape, salt: int, **extra: Any) -> dict[str, Any]:
+    text = _prompt(shape.words, salt)
+    prompt = {"messages": [{"role": "user", "content": text}]} if shape.route == "chat" else {"prompt": text}
+    body = {"model": model, "max_tokens": shape.max_tokens, "ignore_eos": True, "temperature": 0, **prompt, **extra}
+    if shape.stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def classify_reply(status: int, body: bytes) -> str:
+    """A whole (non-streamed) reply that is not a 200."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    if status >= 400 and isinstance(error, dict):
+        return "error"
+    return "5xx_nojson" if status >= 500 else "broken"
+
+
+def send(client: httpx.Client, base: str, body: dict[str, Any], route: str,
+         abort_after_chunks: int | None = None) -> Outcome:
+    """One request through the router, classified. With abort_after_chunks, a streamed request is
+    closed by the client after that many data chunks (counted 'aborted' if it got that far)."""
+    started = time.monotonic()
+    out = Outcome("broken", started)
+    try:
+        with client.stream("POST", base + PATHS[route], json=body, timeout=HANG_S) as resp:
+            if resp.status_code != 200:
+                out.kind = classify_reply(resp.status_code, resp.read())
+                return out
+            if not body.get("stream"):
+                reply = json.loads(resp.read())
+                full = reply.get("usage", {}).get("completion_tokens") == body["max_tokens"]
+                out.kind = "full" if full and reply.get("choices") else "broken"
+                return out
+            out.kind, out.ttft = _read_stream(resp, body["max_tokens"], started, abort_after_chunks)
+    except httpx.TimeoutException:
+        out.kind = "hang"
+    except (httpx.HTTPError, ValueError) as exc:
+        out.kind, out.detail = "broken", repr(exc)
+    return out
+
+
+def _read_stream(resp: httpx.Response, max_tokens: int, started: float,
+                 abort_after: int | None) -> tuple[str, float | None]:
+    ttft, chunks, tokens, done = None, 0, None, False
+    for line in resp.iter_lines():
+        if time.monotonic() - started > HANG_S:
+            return "hang", ttft
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+            break
+        event = json.loads(line[len("data: "):])
+        if "error" in event:
+            return "error", ttft
+        chunks += 1
+        if ttft is None and event.get("choices"):
+            ttft = time.monotonic() - started
+        if event.get("usage"):
+            tokens = event["usage"].get("completion_tokens")
+        if abort_after is not None and chunks >= abort_after:
+            return "aborted", ttft  # leaving the `with` closes the connection mid-stream
+    return ("full" if done and tokens == max_tokens else "broken"), ttft
+
+
+class Load:
+    """`streams` client threads sending the SHAPES mix back to back until stopped."""
+
+    def __init__(self, fs: FaultStack, streams: int = 4) -> None:
+        self.fs = fs
+        self.outcomes: list[Outcome] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(streams)]
+
+    def _run(self, index: int) -> None:
+        n = 0
+        with httpx.Client() as client:
+            while not self._stop.is_set():
+                shape = SHAPES[(index + n) % len(SHAPES)]
+                body = request_body(self.fs.model, shape, salt=1000 * index + n)
+                self.outcomes.append(send(client, self.fs.url, body, shape.route))
+                n += 1
+
+    def full_since(self, t: float) -> int:
+        return sum(1 for o in list(self.outcomes) if o.started >= t and o.kind == "full")
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(HANG_S + 30)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, poll_s: float = 1.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+# ---------------------------------------------------------------- faults: each returns its own requests' outcomes
+
+
+def kill_engine(worker: str) -> Callable[[FaultStack], list[Outcome]]:
+    def fault(fs: FaultStack) -> list[Outcome]:
+        old = fs.vllm_server(worker)
+        fs.kill_engine(worker)
+        wait_until(lambda: fs.vllm_server(worker) not in (None, old), RECOVERY_S)
+        return []
+
+    return fault
+
+
+def kill_store(fs: FaultStack) -> list[Outcome]:
+    old = fs.kill_store()
+    wait_until(lambda: fs.component("kvstore").popen.pid != old, RECOVERY_S)
+    return []
+
+
+def kill_redis(fs: FaultStack) -> list[Outcome]:
+    fs.kill_redis()
+    return []
+
+
+def client_aborts(fs: FaultStack, clients: int = 4, each: int = 3) -> list[Outcome]:
+    """Streams closed by their clients after a few chunks, long prompts (a handoff in flight) and short."""
+    outcomes: list[Outcome] = []
+
+    def run(index: int) -> None:
+        with httpx.Client() as client:
+            for n in range(each):
+                shape = Shape("chat" if n % 2 else "completions", True, 160 if index % 2 else 12, 200)
+                body = request_body(fs.model, shape, salt=90_000 + 100 * index + n)
+                outcomes.append(send(client, fs.url, body, shape.route, abort_after_chunks=1 + n))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_S * each + 30)
+    return outcomes
+
+
+def _raw(fs: FaultStack, payload: bytes, headers: dict[str, str]) -> Outcome:
+    """A hand-made request on its own connection (bodies httpx would refuse to send)."""
+    started = time.monotonic()
+    host, port = fs.url.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_S)
+    try:
+        conn.putrequest("POST", PATHS["completions"])
+        for key, value in {"Content-Type": "application/json", **headers}.items():
+            conn.putheader(key, value)
+        conn.endheaders(payload)
+        resp = conn.getresponse()
+        return Outcome(classify_reply(resp.status, resp.read()), started)
+    except socket.timeout:
+        return Outcome("hang", started)
+    except (OSError, http.client.HTTPException) as exc:
+        return Outcome("broken", started, detail=repr(exc))
+    finally:
+        conn.close()
+
+
+def bad_inputs(fs: FaultStack) -> list[Outcome]:
+    """Inputs a client may send by mistake or on purpose; each must get a clean OpenAI error."""
+    outcomes = []
+    with httpx.Client() as client:
+        for route, stream, extra in (
+            ("completions", False, {"structured_outputs": "x"}),
+            ("chat", True, {"structured_outputs": ["x"]}),
+            ("chat", False, {"top_k": 10**30}),
+            ("completions", True, {"top_k": 10**30}),
+        ):
+            body = request_body(fs.model, Shape(route, stream, 12, 8), salt=7, **extra)
+            outcomes.append(send(client, fs.url, body, route))
+    depth = 5000
+    nested = b'{"model": "%s", "prompt": "x", "metadata": %s}' % (fs.model.encode(), b"[" * depth + b"]" * depth)
+    outcomes.append(_raw(fs, nested, {"Content-Length": str(len(nested))}))
+    # A body that stops half-way: the router answers 408 after its --body-timeout.
+    partial = json.dumps(request_body(fs.model, Shape("completions", False, 12, 8), salt=8)).encode()
+    outcomes.append(_raw(fs, partial[: len(partial) // 2], {"Content-Length": str(len(partial))}))
+    return outcomes
+
+
+def no_fault(_fs: FaultStack) -> list[Outcome]:
+    return []
+
+
+SCENARIOS: tuple[tuple[str, Callable[[FaultStack], list[Outcome]]], ...] = (
+    ("no fault", no_fault),
+    ("bad inputs", bad_inputs),
+    ("client aborts", client_aborts),
+    ("kill -9 redis", kill_redis),
+    ("kill -9 kvstore", kill_store),
+    ("kill -9 decode engine", kill_engine("decode-1")),
+    ("kill -9 prefill engine", kill_engine("prefill-0")),
+)
+
+
+# ---------------------------------------------------------------- one scenario
+
+
+@dataclass
+class Row:
+    scenario: str
+    counts: Counter = field(default_factory=Counter)
+    live_tails: float | None = None  # after the tail TTL; None: the store did not answer
+    engine_requests: float | None = None  # running + waiting, all engines; None: one did not answer
+    recovered: bool = False
+    seconds: float = 0.0
+
+    @property
+    def leaked(self) -> bool:
+        return self.live_tails != 0 or self.engine_requests != 0
+
+
+def _leaks(fs: FaultStack) -> tuple[float | None, float | None]:
+    tails = fs.live_tails()
+    per_engine = fs.engine_requests().values()
+    engines = None if None in per_engine else sum(per_engine)  # type: ignore[arg-type]
+    return tails, engines
+
+
+def run_scenario(fs: FaultStack, name: str, fault: Callable[[FaultStack], list[Outcome]], streams: int = 4) -> Row:
+    """Under load: the fault, then every part back and answers again; load off; leaks after the TTL."""
+    row, started = Row(name), time.monotonic()
+    with Load(fs, streams) as load:
+        wait_until(lambda: load.full_since(started) >= streams, HANG_S)
+        own = fault(fs)
+        back = wait_until(fs.all_back, RECOVERY_S)
+        back_at = time.monotonic()
+        answering = wait_until(lambda: load.full_since(back_at) >= 2, HANG_S)
+    stopped = time.monotonic()
+    wait_until(lambda: time.monotonic() - stopped > TAIL_TTL_S + 2 and _leaks(fs) == (0, 0), SETTLE_S)
+    row.live_tails, row.engine_requests = _leaks(fs)
+    row.counts = Counter(o.kind for o in load.outcomes + own)
+    with httpx.Client() as client:
+        shape = SHAPES[2]
+        after = send(client, fs.url, request_body(fs.model, shape, salt=424242), shape.route)
+    row.recovered = back and answering and after.kind == "full" and fs.all_back()
+    row.seconds = time.monotonic() - started
+    return row
+
+
+def run_scenarios(fs: FaultStack, names: Sequence[str] | None = None, streams: int = 4,
+                  on_row: Callable[[Row], None] | None = None) -> list[Row]:
+    rows = []
+    for name, fault in SCENARIOS:
+        if names is None or name in names:
+            rows.append(run_scenario(fs, name, fault, streams))
+            if on_row is not None:
+                on_row(rows[-1])
+    return rows
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:g}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    head = ["scenario", *KINDS, "tails", "engine_reqs", "recovered", "s"]
+    lines = [[r.scenario, *(str(r.counts.get(k, 0)) for k in KINDS), _fmt(r.live_tails), _fmt(r.engine_requests),
+              "yes" if r.recovered else "NO", f"{r.seconds:.0f}"] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *lines)]
+    out = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
+           for line in [head, *lines]]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- soak
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def soak(fs: FaultStack, minutes: int, streams: int = 4, out=sys.stdout) -> list[list[str]]:
+    """The load for `minutes`; one line a minute: requests, outcomes, TTFT p50/p99 (ms), RSS (MiB)."""
+    rows: list[list[str]] = []
+    names = list(fs.rss_mib())
+    head = ["min", "reqs", "full", "other", "ttft_p50", "ttft_p99", *names]
+    print("soak: RSS in MiB (x/vllm: the worker's vLLM server and its engine core), TTFT in ms", file=out)
+    print("  ".join(f"{h:>9}" for h in head), file=out, flush=True)
+    with Load(fs, streams) as load:
+        seen = 0
+        for minute in range(1, minutes + 1):
+            time.sleep(60.0)
+            done = list(load.outcomes)
+            batch, seen = done[seen:], len(done)
+            ttfts = [o.ttft * 1000 for o in batch if o.ttft is not None and o.kind == "full"]
+            rss = fs.rss_mib()
+            full = sum(o.kind == "full" for o in batch)
+            row = [str(minute), str(len(batch)), str(full), str(len(batch) - full),
+                   _fmt_ms(_pct(ttfts, 50)), _fmt_ms(_pct(ttfts, 99)),
+                   *(f"{rss[n]:.0f}" if n in rss else "-" for n in names)]
+            rows.append(row)
+            print("  ".join(f"{x:>9}" for x in row), file=out, flush=True)
+    return rows
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve bench faults",
+        description=("Start a local stack (KV store, 1 prefill + 2 decode workers on the tiny model, Redis, router), "
+                     "break it under load scenario by scenario and print what clients got and what leaked."),
+    )
+    p.add_argument("--streams", type=int, default=4, help="concurrent client streams")
+    p.add_argument("--scenario", action="append", choices=[n for n, _ in SCENARIOS],
+                   help="run only this scenario (repeatable; default: all)")
+    p.add_argument("--soak-minutes", type=int, default=0,
+                   help="after the scenarios, keep the load on this long, printing RSS and TTFT each minute")
+    p.add_argument("--skip-scenarios", action="store_true", help="soak only")
+    p.add_argument("--log-dir", default=None, help="children's logs (default: a temp folder)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    with FaultStack(log_dir=Path(a.log_dir) if a.log_dir else None) as fs:
+        print(f"pdserve bench faults: logs in {fs.stack.log_dir}", file=sys.stderr, flush=True)
+        fs.start()
+        rows: list[Row] = []
+        if not a.skip_scenarios:
+            rows = run_scenarios(fs, a.scenario, a.streams,
+                                 on_row=lambda r: print(f"  done: {r.scenario} ({r.seconds:.0f} s)", file=sys.stderr,
+                                                        flush=True))
+            print(format_table(rows), flush=True)
+        if a.soak_minutes:
+            soak(fs, a.soak_minutes, a.streams)
+    bad = [r.scenario for r in rows if r.counts["hang"] or r.counts["5xx_nojson"] or r.leaked or not r.recovered]
+    if bad:
+        print(f"failed: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
