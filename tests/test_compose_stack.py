@@ -12,6 +12,7 @@ runs it as a user would and asserts every one of its checks, including the clean
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,7 @@ STACK_CHECKS = (
 )
 
 
+@pytest.mark.engine  # three vLLM engines, in containers
 @pytest.mark.timeout(LIMIT_S + 600)
 def test_compose_cpu_stack_builds_serves_p_d_and_survives_a_decode_loss(tmp_path: Path) -> None:
     report_path, log_path = tmp_path / "report.json", tmp_path / "compose-test.log"
@@ -61,3 +63,41 @@ def test_compose_cpu_stack_builds_serves_p_d_and_survives_a_decode_loss(tmp_path
     assert not failed, json.dumps(failed, indent=2) + "\n" + tail
     assert report["ok"] and proc.returncode == 0, tail
     print(json.dumps(report["phases"]))  # the phases' seconds, shown with -s
+
+
+def test_a_daemons_iptables_changes_are_undone_and_others_kept() -> None:
+    """The networking restore, against real iptables in a private network namespace.
+
+    After the snapshot a "daemon" adds Docker's kind of rules, chains and a DROP policy,
+    and someone else removes a rule the snapshot holds (seen here: another daemon's cleanup).
+    Undoing removes exactly the daemon's additions and never puts back what others took out
+    (restoring whole tables from the snapshot did: it revived the other daemon's stale rules).
+    """
+    script = f"""
+import subprocess, sys
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import docker_host as host
+ipt = lambda *a: subprocess.run(["iptables", *a], check=True)
+ipt("-A", "INPUT", "-p", "tcp", "--dport", "22", "-j", "ACCEPT")  # the host's own rule
+ipt("-A", "OUTPUT", "-p", "udp", "--dport", "53", "-m", "comment", "--comment", "someone else's", "-j", "ACCEPT")
+before = host.NetworkState.read()
+for table, chain in (("filter", "DOCKER"), ("nat", "DOCKER")):
+    ipt("-t", table, "-N", chain)
+ipt("-A", "FORWARD", "-o", "docker0", "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT")
+ipt("-A", "FORWARD", "-o", "docker0", "-j", "DOCKER")
+ipt("-P", "FORWARD", "DROP")
+ipt("-t", "nat", "-A", "POSTROUTING", "-s", "172.17.0.0/16", "!", "-o", "docker0", "-j", "MASQUERADE")
+ipt("-t", "nat", "-A", "PREROUTING", "-m", "addrtype", "--dst-type", "LOCAL", "-j", "DOCKER")
+daemon_made = host.NetworkState.read()
+ipt("-D", "OUTPUT", "-p", "udp", "--dport", "53", "-m", "comment", "--comment", "someone else's", "-j", "ACCEPT")
+host.undo_iptables("iptables", before.iptables["iptables"], host.NetworkState.read().iptables["iptables"])
+after = host.rules(host.NetworkState.read().iptables["iptables"])
+assert host.rules(daemon_made.iptables["iptables"]) != host.rules(before.iptables["iptables"])
+assert after == {{"filter": ["-A INPUT -p tcp -m tcp --dport 22 -j ACCEPT"]}}, after
+print("undone")
+"""
+    if not shutil.which("iptables"):  # Docker's dependency; the stack test above installs it
+        subprocess.run(["apt-get", "install", "-y", "-q", "iptables"], check=True, capture_output=True, timeout=900)
+    out = subprocess.run(["unshare", "--net", sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "undone" in out.stdout, out.stdout + out.stderr

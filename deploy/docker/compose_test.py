@@ -22,6 +22,7 @@ only when every check passed and the cleanup left nothing behind.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import io
 import json
 import os
@@ -30,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import tarfile
+import tempfile
 import sys
 import time
 from contextlib import ExitStack, contextmanager
@@ -300,7 +302,18 @@ def take_down(compose: Compose, report: Report) -> None:
                  {"exit": down.returncode, "left": left})
 
 
+@contextmanager
+def host_lock() -> Iterator[None]:
+    """One compose test per host: two would each snapshot and restore networking the other changed."""
+    folder = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
+    with open(folder / "pdserve-compose-test.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits for a run that holds it
+        yield
+
+
 def run(report: Report, cleanup: ExitStack) -> None:
+    with report.phase("wait for other compose tests on this host"):
+        cleanup.enter_context(host_lock())
     with report.phase("install docker"):
         installed = host.ensure_docker()
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}

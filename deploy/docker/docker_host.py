@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -136,6 +137,33 @@ def rules(text: str) -> dict[str, list[str]]:
     return out
 
 
+def undo_iptables(cmd: str, before: str, now: str) -> None:
+    """Take out only what was added since `before`: rules, then user chains, then policies.
+
+    Rules are deleted one by one rather than whole tables restored, so a change that
+    someone else made meanwhile stays.
+    """
+    old, new = save_sections(before), save_sections(now)
+    for table, lines in new.items():
+        kept = list(old.get(table, []))
+        added = []
+        for line in lines:
+            if line in kept:
+                kept.remove(line)
+            else:
+                added.append(line)
+        for line in reversed([l for l in added if l.startswith("-A ")]):
+            run([cmd, "-t", table, "-D", *shlex.split(line)[1:]], check=False)
+        for line in added:
+            if line.startswith(":") and line.endswith(" -"):  # a user chain, now empty
+                run([cmd, "-t", table, "-X", line[1:].split()[0]], check=False)
+        policies = {l[1:].split()[0]: l.split()[1] for l in old.get(table, []) if l.startswith(":")}
+        for line in added:
+            chain, policy = line[1:].split()[:2] if line.startswith(":") else ("", "-")
+            if policy != "-":
+                run([cmd, "-t", table, "-P", chain, policies.get(chain, "ACCEPT")], check=False)
+
+
 def restore_network(before: NetworkState) -> list[str]:
     """Undo a stopped daemon's changes: its links, sysctls and iptables rules; returns what still differs."""
     now = NetworkState.read()
@@ -145,16 +173,7 @@ def restore_network(before: NetworkState) -> list[str]:
         if now.sysctls.get(path) != value:
             Path(path).write_text(value + "\n")
     for cmd, saved in before.iptables.items():
-        old = save_sections(saved)
-        for table in save_sections(now.iptables.get(cmd, "")):
-            if table in old:
-                run([f"{cmd}-restore"], stdin=f"*{table}\n" + "\n".join(old[table]) + "\nCOMMIT\n", check=False)
-            else:  # a table the daemon created: no rules, no chains, builtin chains ACCEPT
-                run([cmd, "-t", table, "-F"], check=False)
-                run([cmd, "-t", table, "-X"], check=False)
-                for line in save_sections(now.iptables[cmd])[table]:
-                    if line.startswith(":") and not line.endswith(" -"):
-                        run([cmd, "-t", table, "-P", line[1:].split()[0], "ACCEPT"], check=False)
+        undo_iptables(cmd, saved, now.iptables.get(cmd, ""))
     return before.differences(NetworkState.read())
 
 
