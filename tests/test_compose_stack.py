@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "deploy/docker/compose_test.py"
-# Measured here from a machine without Docker: about 10 minutes; the engines share 2 cores.
+# Measured here from a machine without Docker: 9-20 minutes, as the engines compete for 2 cores.
 LIMIT_S = 3600
 STACK_CHECKS = (
     "docker available",
