@@ -257,8 +257,9 @@ def bad_inputs(fs: FaultStack) -> list[Outcome]:
         for route, stream, extra in (
             ("completions", False, {"structured_outputs": "x"}),
             ("chat", True, {"structured_outputs": ["x"]}),
-            ("chat", False, {"top_k": 10**30}),
-            ("completions", True, {"top_k": 10**30}),
+            # top_k only matters when sampling (greedy requests ignore it)
+            ("chat", False, {"top_k": 10**30, "temperature": 1.0}),
+            ("completions", True, {"top_k": 10**30, "temperature": 1.0}),
         ):
             body = request_body(fs.model, Shape(route, stream, 12, 8), salt=7, **extra)
             outcomes.append(send(client, fs.url, body, route))
@@ -292,7 +293,8 @@ SCENARIOS: tuple[tuple[str, Callable[[FaultStack], list[Outcome]]], ...] = (
 @dataclass
 class Row:
     scenario: str
-    counts: Counter = field(default_factory=Counter)
+    counts: Counter = field(default_factory=Counter)  # the load's and the fault's own requests
+    own: list[Outcome] = field(default_factory=list)  # the fault's own requests (bad inputs, aborts), in order
     live_tails: float | None = None  # after the tail TTL; None: the store did not answer
     engine_requests: float | None = None  # running + waiting, all engines; None: one did not answer
     recovered: bool = False
@@ -322,6 +324,7 @@ def run_scenario(fs: FaultStack, name: str, fault: Callable[[FaultStack], list[O
     stopped = time.monotonic()
     wait_until(lambda: time.monotonic() - stopped > TAIL_TTL_S + 2 and _leaks(fs) == (0, 0), SETTLE_S)
     row.live_tails, row.engine_requests = _leaks(fs)
+    row.own = own
     row.counts = Counter(o.kind for o in load.outcomes + own)
     with httpx.Client() as client:
         shape = SHAPES[2]
