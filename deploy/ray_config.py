@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
+import secrets
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,7 @@ from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_
 import yaml
 
 from pdserve.deploy.local import QUIET_ENV, TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS
+from pdserve.kvstore.config import TOKEN_ENV
 
 WorkerRole = Literal["prefill", "decode"]
 ServiceKind = Literal["kvstore", "prefill", "decode", "router"]
@@ -43,8 +46,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KVStoreSpec:
-    """One `pdserve kvstore` on every node that runs a worker; workers reach it over loopback."""
+    """One `pdserve kvstore` on every node that runs a worker. Its workers reach it over loopback;
+    it binds `host` and advertises the node's address, so a decode worker on another node loads a
+    handoff straight from the producer's store (with the stack's token, see ClusterConfig)."""
 
+    host: str = "0.0.0.0"
     port: int = 5556
     http_port: int = 18556
     chunk_size: int = 1024
@@ -91,6 +97,10 @@ class ClusterConfig:
     router: RouterSpec = RouterSpec()
     start_timeout_s: float = 1800.0
     max_restarts: int = 3  # Ray restarts a service that crashes after it was ready, this many times
+    # The stores' shared secret, given to stores, workers and the router through $PDSERVE_KVSTORE_TOKEN
+    # (never on a command line): the submitting job's $PDSERVE_KVSTORE_TOKEN, else a fresh one per stack.
+    kvstore_token: str = field(default_factory=lambda: os.environ.get(TOKEN_ENV) or secrets.token_hex(16),
+                               repr=False)
 
     @property
     def tiny(self) -> bool:
@@ -287,13 +297,19 @@ def _public_host(bind: str) -> str:
 
 
 def kvstore_spec(cfg: ClusterConfig, node_id: str) -> ServiceSpec:
-    """The store of one node. Bound to loopback: only that node's workers use it, no token needed."""
+    """The store of one node, advertised at the node's address (its id names node and port)."""
     kv = cfg.kvstore
-    argv = ("kvstore", "--host", "127.0.0.1", "--port", str(kv.port), "--http-port", str(kv.http_port),
-            "--chunk-size", str(kv.chunk_size), "--l1-size-gb", str(kv.l1_size_gb), *kv.args)
+    advertised = f"tcp://{_public_host(kv.host)}:{kv.port}"
+    argv = ("kvstore", "--host", kv.host, "--port", str(kv.port), "--http-port", str(kv.http_port),
+            "--advertise-url", advertised, "--chunk-size", str(kv.chunk_size), "--l1-size-gb", str(kv.l1_size_gb),
+            *kv.args)
     return ServiceSpec(name=f"kvstore-{node_id[:12]}", kind="kvstore", argv=argv,
-                       health_url=_http("127.0.0.1", kv.http_port) + "/health", env=dict(QUIET_ENV),
-                       num_cpus=kv.num_cpus, url=f"tcp://127.0.0.1:{kv.port}")
+                       health_url=_http("127.0.0.1", kv.http_port) + "/health", env=_with_token(cfg, QUIET_ENV),
+                       num_cpus=kv.num_cpus, url=advertised)
+
+
+def _with_token(cfg: ClusterConfig, env: dict[str, str]) -> dict[str, str]:
+    return {**env, TOKEN_ENV: cfg.kvstore_token}
 
 
 def engine_env(cfg: ClusterConfig) -> dict[str, str]:
@@ -302,7 +318,7 @@ def engine_env(cfg: ClusterConfig) -> dict[str, str]:
         env.update(TINY_ENGINE_ENV)
     env.update(cfg.file_env)
     env.update(cfg.env)
-    return env
+    return _with_token(cfg, env)
 
 
 def worker_spec(cfg: ClusterConfig, role: WorkerRole, index: int) -> ServiceSpec:
@@ -335,7 +351,7 @@ def router_spec(cfg: ClusterConfig) -> ServiceSpec:
     argv += r.args
     local = "127.0.0.1" if r.host in ("0.0.0.0", "::", "") else r.host
     return ServiceSpec(name="router", kind="router", argv=tuple(argv), health_url=_http(local, r.port) + "/health",
-                       env=dict(QUIET_ENV), num_cpus=r.num_cpus, url=_http(_public_host(r.host), r.port))
+                       env=_with_token(cfg, QUIET_ENV), num_cpus=r.num_cpus, url=_http(_public_host(r.host), r.port))
 
 
 def worker_specs(cfg: ClusterConfig) -> list[ServiceSpec]:

@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eviction-policy", default=d.eviction_policy, help="only lru")
     p.add_argument("--l2-path", type=Path, default=None, help="directory for L2 (objects evicted from L1)")
     p.add_argument("--l2-size-gb", type=float, default=d.l2_size_gb, help="L2 budget in GiB")
-    p.add_argument("--auth-token", default=None, help="shared secret clients must send")
+    p.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV) or None,
+                   help=f"shared secret clients must send (default: ${TOKEN_ENV})")
     p.add_argument("--tail-ttl-s", type=float, default=d.tail_ttl_s, help="default lifetime of request tails")
     p.add_argument("--lease-timeout-s", type=float, default=d.lease_timeout_s, help="lifetime of a transfer lease")
     p.add_argument("--no-shm", dest="shm", action="store_false", help="keep L1 private (clients use TCP frames)")

@@ -34,6 +34,7 @@ from pdserve.deploy.ray_config import (
     NODE_IP, TINY_MODEL, ConfigError, gpus_per_replica, kvstore_spec, load_config, router_spec, worker_specs,
 )
 from pdserve.deploy.worker import config_from_args as worker_config
+from pdserve.kvstore.config import TOKEN_ENV
 from pdserve.kvstore.config import build_parser as kvstore_parser
 from pdserve.kvstore.config import from_args as kvstore_config
 from pdserve.router.config import config_from_args as router_config
@@ -75,11 +76,19 @@ def filled(argv: tuple[str, ...]) -> list[str]:
 # ---------------------------------------------------------------- config, no cluster
 
 
-def test_gpu_example_reserves_the_settings_gpus_and_every_command_parses() -> None:
+def test_gpu_example_reserves_the_settings_gpus_and_every_command_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config("deploy/examples/cluster.yaml")
     assert [gpus_per_replica(cfg, r) for r in ("prefill", "decode")] == [8, 8]  # tensor-parallel-size in the settings
-    store = kvstore_config(kvstore_parser().parse_args(filled(kvstore_spec(cfg, "n" * 40).argv)[1:]))
-    assert (store.host, store.chunk_size) == ("127.0.0.1", 1024)  # loopback: no token needed
+    spec = kvstore_spec(cfg, "n" * 40)
+    monkeypatch.setenv(TOKEN_ENV, spec.env[TOKEN_ENV])  # as the store's actor runs it
+    store = kvstore_config(kvstore_parser().parse_args(filled(spec.argv)[1:]))
+    # Bound to the node's addresses, advertised at the node's IP, with the stack's token: a decode
+    # worker on another node loads a handoff from the producer's store.
+    assert (store.host, store.chunk_size, store.advertise_url) == ("0.0.0.0", 1024, "tcp://10.1.2.3:5556")
+    assert store.auth_token and len(store.auth_token) >= 32
+    assert spec.url == "tcp://{node_ip}:5556".replace(NODE_IP, "{node_ip}")
+    for other in (*worker_specs(cfg), router_spec(cfg)):  # everyone that talks to stores has the token
+        assert other.env[TOKEN_ENV] == store.auth_token
     for spec in worker_specs(cfg):
         role, *rest = filled(spec.argv)
         w = worker_config(role, rest)
