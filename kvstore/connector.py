@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.connector")
 
+STARTUP_TIMEOUT_S = 10.0  # the start-up checks' deadline for the store's first answers
+
 
 class ConnectorConfigError(RuntimeError):
     """A start-up check failed; the message names the fix."""
@@ -144,7 +146,8 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         # A chunk that fails to load is recomputed, never served as wrong tokens and never fatal.
         ktc.kv_load_failure_policy = "recompute"
         try:
-            with KVStoreClient(url, auth_token=token, timeout_s=min(timeout_s, 10.0), shm=shm) as client:
+            # Start-up is no hot path: a busy store (or host) gets longer than the per-reply deadline.
+            with KVStoreClient(url, auth_token=token, timeout_s=max(timeout_s, STARTUP_TIMEOUT_S), shm=shm) as client:
                 chunk_size = client.info().chunk_size
                 self.layout, self.is_mla = describe_layout(vllm_config, kv_cache_config)
                 check_geometry(self.layout, chunk_size, vllm_compat.retention_interval(vllm_config.cache_config))
