@@ -69,6 +69,8 @@ class Router:
         """Build the parts that need the event loop (the HTTP session), then find the workers."""
         self.http = new_session()
         self.health = HealthChecker((self.prefill, self.decode), self.http, self.worker_headers, self.cfg.health_interval)
+        for pool in (self.prefill, self.decode):
+            pool.recheck = lambda w, pool=pool: self.health.check_soon(pool, [w])
         self.tokens = PromptTokens(self.http, self.worker_headers, self.cfg.tokenizer)
         self.flow = PDFlow(
             self.cfg, self.prefill, self.decode, make_policy(self.cfg.prefill_policy),

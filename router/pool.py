@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Protocol, Sequence
+from typing import Any, Callable, Iterable, Literal, Protocol, Sequence
 
 from pdserve.router.breaker import Breaker
 from pdserve.router.config import RouterConfig
@@ -123,6 +123,11 @@ class Pool:
         self.workers: dict[str, Worker] = {}
         self.waiting = 0
         self._waiters: list[asyncio.Future[None]] = []
+        # Asks for a health check of a worker now (set by the app). A reset connection alone does
+        # not take a worker out: vLLM also resets the stream of one request it cannot serve (seen
+        # with a malformed structured_outputs), and a client repeating that request must not take
+        # every worker out. The check decides; without one the worker is taken out at once.
+        self.recheck: Callable[[Worker], None] | None = None
 
     # ------------------------------------------------------------ membership
 
@@ -168,6 +173,8 @@ class Pool:
         now = time.monotonic()
         was = w.available(now)
         if not ok:
+            if w.healthy:
+                w.breaker.failed(now)
             w.healthy = False
         elif w.breaker.health_passed(now):
             w.healthy = True
@@ -258,10 +265,12 @@ class Pool:
         if verdict == "answered":
             w.breaker.succeeded()
         elif verdict in ("failed", "unreachable"):
-            if w.breaker.failed(time.monotonic()):
+            if verdict == "unreachable" and self.recheck is not None:
+                self.recheck(w)  # the health check takes it out (and counts the failure) if it is down
+            elif w.breaker.failed(time.monotonic()):
                 log.warning("%s worker %s failed %d times in a row; breaker open for %g s",
                             self.role, w.id, w.breaker.failures, w.breaker.cooldown)
-            if verdict == "unreachable" and w.healthy:
+            if verdict == "unreachable" and self.recheck is None and w.healthy:
                 w.healthy = False
                 log.warning("%s worker %s unreachable; out until a health check passes", self.role, w.id)
         self._publish(w)

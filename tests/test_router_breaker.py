@@ -92,3 +92,23 @@ async def test_an_abandoned_lease_gives_no_verdict_and_only_the_first_verdict_co
     lease.answered()
     lease.failed(asyncio.TimeoutError())  # too late: released already
     assert w.breaker.failures == 0 and w.inflight == 0 and pool.candidates(None) == [w]
+
+
+def test_a_reset_connection_asks_for_a_health_check_instead_of_taking_the_worker_out() -> None:
+    """vLLM resets the stream of a request it cannot serve (a malformed structured_outputs): with the
+    app's recheck wired, the worker stays in until a health check says it is down."""
+
+    async def run() -> None:
+        pool = _pool(2, failures=1)
+        asked: list[str] = []
+        pool.recheck = lambda w: asked.append(w.id)
+        for _ in range(3):  # a client repeating the bad request
+            lease = await _lease_on(pool, "http://w0")
+            lease.failed(aiohttp.ServerDisconnectedError())
+        w0 = pool.workers["http://w0"]
+        assert asked == ["http://w0"] * 3
+        assert w0.healthy and w0.breaker.closed(0.0) and w0.breaker.failures == 0
+        pool.set_health(w0, False)  # the check found it dead: out, and the failure counts
+        assert not w0.healthy and w0.breaker.failures == 1
+
+    asyncio.run(run())
