@@ -178,11 +178,19 @@ class MembershipWatcher:
         *,
         model: str | None = None,
         rescan_s: float = 1.0,
+        grace_s: float = DEFAULT_TTL_S,
     ) -> None:
         self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=5.0)
         self._on_change = on_change
         self._model = model
         self._rescan_s = rescan_s
+        # After Redis was unreachable it may come back empty (restarted): workers rewrite their
+        # records on their next heartbeat (a third of their TTL). Until `grace_s` after it answers
+        # again, a worker missing from a scan is kept, so a Redis restart takes no worker out;
+        # their health checks still do if they are down.
+        self._grace_s = grace_s
+        self._redis_back_at: float | None = None  # monotonic; None while Redis has not failed
+        self._redis_failed = False
         self.records: dict[str, WorkerRecord] = {}
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
@@ -224,8 +232,14 @@ class MembershipWatcher:
         # that lands inside a command, and stop() must never wait forever.
         while not self._closed:
             try:
-                await self._apply(await self.scan())
+                found = await self.scan()
+                if self._redis_failed:
+                    self._redis_failed, self._redis_back_at = False, time.monotonic()
+                if self._redis_back_at is not None and time.monotonic() - self._redis_back_at < self._grace_s:
+                    found = {**{k: v for k, v in self.records.items() if k not in found}, **found}
+                await self._apply(found)
             except (redis.RedisError, OSError) as exc:
+                self._redis_failed = True
                 log.warning("membership rescan failed (keeping last view): %s", exc)
             try:
                 async with asyncio.timeout(self._rescan_s):

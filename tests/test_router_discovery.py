@@ -117,3 +117,37 @@ def test_router_follows_workers_joining_and_leaving(pd_stack: Stack, redis_url: 
     assert exc.value.status_code == 503
     prefill.stop()
     wait_until(lambda: metric(redis_router.url, "pdserve_router_worker_healthy") == 0, what="no worker left")
+
+
+async def test_a_redis_restart_takes_no_worker_out() -> None:
+    """Redis killed and started again empty: the watcher keeps its view until the workers' next
+    heartbeats have written their records again (before: every worker left until then)."""
+    from procs import start_redis
+
+    first = start_redis()
+    port, url = first.port, f"redis://127.0.0.1:{first.port}/0"
+    views: list[set[str]] = []
+    watcher = MembershipWatcher(url, lambda recs: views.append(set(recs)), rescan_s=0.2, grace_s=5.0)
+    regs = [Registrar(url, _record(f"d{i}"), ttl_s=3.0) for i in range(2)]
+    second = None
+    try:
+        await watcher.start()
+        for reg in regs:
+            await reg.astart()
+        await _until(lambda: set(watcher.records) == {"d0", "d1"}, "both joined")
+        views.clear()
+        first.stop()
+        await asyncio.sleep(1.0)  # rescans fail meanwhile
+        second = start_redis(port)  # same port, no data
+        fresh = redis.Redis.from_url(url)
+        await _until(lambda: fresh.exists(KEY_PREFIX + "d0") and fresh.exists(KEY_PREFIX + "d1"), "re-registered")
+        await asyncio.sleep(0.5)
+        assert set(watcher.records) == {"d0", "d1"}
+        assert all(v == {"d0", "d1"} for v in views), views  # never fewer, at any change
+    finally:
+        for reg in regs:
+            await reg.astop()
+        await watcher.stop()
+        for proc in (first, second):
+            if proc is not None:
+                proc.stop()
