@@ -39,6 +39,7 @@ STACK_CHECKS = (
 
 
 @pytest.mark.engine  # three vLLM engines, in containers
+@pytest.mark.compose
 @pytest.mark.timeout(LIMIT_S + 600)
 def test_compose_cpu_stack_builds_serves_p_d_and_survives_a_decode_loss(tmp_path: Path) -> None:
     report_path, log_path = tmp_path / "report.json", tmp_path / "compose-test.log"
