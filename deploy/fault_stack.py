@@ -64,7 +64,8 @@ class OwnRedis:
                 self.popen.wait(10)
 
 
-def _pong(port: int) -> bool:
+def redis_pongs(port: int) -> bool:
+    """Whether a redis-server on loopback `port` answers PING."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
             sock.sendall(b"PING\r\n")
@@ -80,7 +81,7 @@ def start_redis(port: int | None = None) -> OwnRedis:
                   stdout=subprocess.DEVNULL)
     handle = OwnRedis(popen, port)
     deadline = time.monotonic() + 30
-    while not _pong(port):
+    while not redis_pongs(port):
         if popen.poll() is not None or time.monotonic() > deadline:
             handle.stop()
             raise RuntimeError(f"redis-server on port {port} did not start (exit {popen.poll()})")
@@ -282,7 +283,7 @@ class FaultStack:
         body = self.ready()
         return (body.get("prefill", {}).get("healthy") == self.cfg.num_prefill
                 and body.get("decode", {}).get("healthy") == self.cfg.num_decode
-                and self.live_tails() is not None and _pong(self.redis.port))
+                and self.live_tails() is not None and redis_pongs(self.redis.port))
 
     def live_tails(self) -> float | None:
         try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, Union
 
+from pdserve.deploy.fault_stack import redis_pongs
 from pdserve.deploy.ports import free_port  # noqa: F401  (tests import it from here with the rest)
 
 # Flags that keep a tiny CPU engine small and quick to start (measured: see tests/test_tiny_model.py).
@@ -226,16 +226,8 @@ def start_redis(port: int | None = None) -> Proc:
     """A throwaway redis-server on a free port: no persistence, ready when it answers PING."""
 
     def start(port: int) -> Proc:
-        def pong(_p: Proc) -> bool:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
-                    sock.sendall(b"PING\r\n")
-                    return sock.recv(64).startswith(b"+PONG")
-            except OSError:
-                return False
-
         argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        return start_process(argv, pong, name="redis", port=port, timeout=30.0)
+        return start_process(argv, lambda _p: redis_pongs(port), name="redis", port=port, timeout=30.0)
 
     return start_on_port(start, port)
 
