@@ -14,6 +14,7 @@ import signal
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -107,6 +108,23 @@ class UpStack:
         self.popen.wait(10)
 
 
+@contextmanager
+def running_up(argv: list[str], port: int, decode_port: int, folder: Path, timeout: float) -> Iterator[UpStack]:
+    """Start `pdserve up` (argv) as a user would, wait for its demo reply, and kill whatever is left at exit."""
+    with open(folder / "up.stderr", "wb") as stderr:
+        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                 env={**os.environ, "XDG_CACHE_HOME": str(folder / "cache")}, start_new_session=True)
+    stack = UpStack(popen=popen, port=port, decode_port=decode_port, log_dir=folder)
+    stack._reader = threading.Thread(target=stack._read, daemon=True)
+    stack._reader.start()
+    try:
+        stack.wait_for_demo(timeout)
+        yield stack
+    finally:
+        if stack.popen.poll() is None:
+            stack.kill()
+
+
 @pytest.fixture(scope="session")
 def up_stack() -> Iterator[UpStack]:
     """`pdserve up` with its defaults (tiny DeepSeek-V3, KV store, connector) on free ports."""
@@ -117,15 +135,5 @@ def up_stack() -> Iterator[UpStack]:
         "up", "--port", str(port), "--prefill-port", str(free_port()), "--decode-port", str(decode_port),
         "--kvstore-port", str(free_port()), "--kvstore-http-port", str(free_port()), "--log-dir", str(folder),
     )
-    with open(folder / "up.stderr", "wb") as stderr:
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                 env={**os.environ, "XDG_CACHE_HOME": str(folder / "cache")}, start_new_session=True)
-    stack = UpStack(popen=popen, port=port, decode_port=decode_port, log_dir=folder)
-    stack._reader = threading.Thread(target=stack._read, daemon=True)
-    stack._reader.start()
-    try:
-        stack.wait_for_demo(2 * ENGINE_START_TIMEOUT_S)
+    with running_up(argv, port, decode_port, folder, 2 * ENGINE_START_TIMEOUT_S) as stack:
         yield stack
-    finally:
-        if stack.popen.poll() is None:
-            stack.kill()

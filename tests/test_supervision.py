@@ -27,7 +27,7 @@ import pytest
 
 from pdserve.deploy.children import Backoff, Change, StopFlag, Supervised, spawn
 from pdserve.deploy.worker import EXIT_GAVE_UP
-from pdstack_fixtures import UpStack, descendants
+from pdstack_fixtures import UpStack, descendants, running_up
 from procs import ENGINE_ENV, ENGINE_START_TIMEOUT_S, free_port, listens_on, log_dir, pdserve_argv
 
 EXITS_AT_ONCE = [sys.executable, "-c", "import sys; sys.exit(7)"]
@@ -220,18 +220,8 @@ def stack(redis_url: str) -> Iterator[UpStack]:
         "--port", str(port), "--decode-port", str(decode_port), "--kvstore-port", str(free_port()),
         "--kvstore-http-port", str(free_port()), "--log-dir", str(folder),
     )
-    with open(folder / "up.stderr", "wb") as stderr:
-        popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                 env={**os.environ, "XDG_CACHE_HOME": str(folder / "cache")}, start_new_session=True)
-    up = UpStack(popen=popen, port=port, decode_port=decode_port, log_dir=folder)
-    up._reader = threading.Thread(target=up._read, daemon=True)
-    up._reader.start()
-    try:
-        up.wait_for_demo(3 * ENGINE_START_TIMEOUT_S)
+    with running_up(argv, port, decode_port, folder, 3 * ENGINE_START_TIMEOUT_S) as up:
         yield up
-    finally:
-        if up.popen.poll() is None:
-            up.kill()
 
 
 def _cmdline(pid: int) -> str:
