@@ -86,7 +86,7 @@ def test_gpu_example_reserves_the_settings_gpus_and_every_command_parses(monkeyp
     # worker on another node loads a handoff from the producer's store.
     assert (store.host, store.chunk_size, store.advertise_url) == ("0.0.0.0", 1024, "tcp://10.1.2.3:5556")
     assert store.auth_token and len(store.auth_token) >= 32
-    assert spec.url == "tcp://{node_ip}:5556".replace(NODE_IP, "{node_ip}")
+    assert spec.url == f"tcp://{NODE_IP}:5556"  # filled with the node's IP where the store runs
     for other in (*worker_specs(cfg), router_spec(cfg)):  # everyone that talks to stores has the token
         assert other.env[TOKEN_ENV] == store.auth_token
     for spec in worker_specs(cfg):
