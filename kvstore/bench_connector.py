@@ -37,6 +37,7 @@ from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.ports import free_port
 from pdserve.deploy.tiny_model import CONFIGS
 from pdserve.deploy.tiny_model import main as tiny_main
+from pdserve.kvstore.engine_counters import read_counters
 
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -116,12 +117,7 @@ def _measure(port: int, prompts: dict[int, list[int]], repeats: int) -> dict[int
 
 def _copy_rates(port: int) -> dict[str, float]:
     """GB/s of the connector's copies out of (gather) and into (scatter) the paged cache."""
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:pdserve_") and not line.startswith("#"):
-            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("vllm:pdserve_").removesuffix("_total")
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    totals = read_counters(f"http://127.0.0.1:{port}") or {}
     return {kind: totals.get(f"{kind}_bytes", 0.0) / totals[f"{kind}_seconds"] / 1e9
             for kind in ("gather", "scatter") if totals.get(f"{kind}_seconds")}
 

@@ -91,7 +91,7 @@ class WorkerIO:
         self.groups = groups
         self.writes = writes
         self._saves: queue.Queue[tuple[TransferJob, list[torch.Tensor]] | None] = queue.Queue()
-        self._loads: queue.Queue[TransferJob | None] = queue.Queue()
+        self._loads: queue.Queue[tuple[TransferJob, float] | None] = queue.Queue()  # (job, when handed over)
         self._done: queue.Queue[LoadOutcome] = queue.Queue()
         self.stats = StatsCounter()
         self._local = threading.local()  # each load thread's staging buffer
@@ -155,7 +155,7 @@ class WorkerIO:
     # loads ----------------------------------------------------------------
     def load(self, job: TransferJob) -> None:
         self._in_flight += 1
-        self._loads.put(job)
+        self._loads.put((job, time.perf_counter()))
 
     def finished_loads(self, wait_s: float = 0.0) -> list[LoadOutcome]:
         """Loads done since the last call; with `wait_s`, wait that long for one when some are in flight."""
@@ -176,7 +176,9 @@ class WorkerIO:
         # One client per store: a P/D handoff loads from the store its producer wrote
         # to (named in kv_transfer_params), which may be another node's.
         clients: dict[str | None, KVStoreClient] = {}
-        while (job := self._loads.get()) is not None:
+        while (item := self._loads.get()) is not None:
+            job, handed = item
+            self.stats.add(load_queue_seconds=time.perf_counter() - handed)
             self._done.put(self._load_guarded(clients, job))
 
     def _load_guarded(self, clients: dict[str | None, KVStoreClient], job: TransferJob) -> LoadOutcome:
@@ -229,7 +231,7 @@ class WorkerIO:
         # Shared memory: copy out of the arena into staging (its slots are reused once the lease
         # ends). TCP: the received frames are private already; scatter straight from them.
         dest = self._staging_views(job) if client.uses_shm else None
-        polls = 0
+        polls, start = 0, time.perf_counter()
         while True:
             health.check()  # another load may have found the store dead meanwhile
             missing = [i for i in chunk_idx if got[i] is None]
@@ -245,6 +247,7 @@ class WorkerIO:
                     for i in tail_idx:
                         got[i] = tail.get(job.objects[i].group)
             if (all(got[i] is not None for i in chunk_idx) and not tail_pending) or time.monotonic() >= deadline:
+                self.stats.add(load_fetch_seconds=time.perf_counter() - start, load_fetch_retries=polls)
                 return got
             time.sleep(LOAD_POLL_S[min(polls, len(LOAD_POLL_S) - 1)])
             polls += 1

@@ -32,6 +32,7 @@ import pytest
 
 from pdserve.deploy.cli import main as pdserve_main
 from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.engine_counters import parse_counters
 from pdserve.kvstore.keys import chunk_keys
 from procs import ENGINE_ARGS, ENGINE_START_TIMEOUT_S, Proc, free_port, http_ok, pdserve_argv, start_process
 
@@ -152,12 +153,7 @@ class GPUStack:
 
 def connector_counts(stack: "GPUStack", port: int) -> dict[str, float]:
     """An engine's vllm:pdserve_* counters (loads, failed_loads, saved_bytes, ...), summed."""
-    counts: dict[str, float] = {}
-    for line in httpx.get(f"{stack.url(port)}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:pdserve_"):
-            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("vllm:pdserve_").removesuffix("_total")
-            counts[name] = counts.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counts
+    return parse_counters(httpx.get(f"{stack.url(port)}/metrics", timeout=30).text)
 
 
 def _settled_counts(stack: "GPUStack", port: int, key: str, want: float) -> dict[str, float]:

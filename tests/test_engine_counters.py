@@ -1,0 +1,22 @@
+"""engine_counters reads the connector's counters off an engine's Prometheus page (no vLLM needed)."""
+
+from pdserve.kvstore.engine_counters import delta, parse_counters
+
+PAGE = """\
+# HELP vllm:pdserve_loads_total KV loads from the pdserve store
+# TYPE vllm:pdserve_loads_total counter
+vllm:pdserve_loads_total{engine="0",model_name="m"} 3.0
+vllm:pdserve_loads_total{engine="1",model_name="m"} 2.0
+vllm:pdserve_loads_created{engine="0",model_name="m"} 1.7e+09
+vllm:pdserve_load_seconds_total{engine="0",model_name="m"} 0.25
+vllm:num_requests_running{engine="0",model_name="m"} 1.0
+"""
+
+
+def test_counters_are_summed_over_engines_and_skip_other_series():
+    counts = parse_counters(PAGE)
+    assert counts == {"loads": 5.0, "load_seconds": 0.25}
+
+
+def test_delta_counts_what_each_counter_gained():
+    assert delta({"loads": 2.0}, {"loads": 5.0, "load_seconds": 0.25}) == {"loads": 3.0, "load_seconds": 0.25}
