@@ -69,6 +69,7 @@ class _Send:
     frames: list[memoryview] = field(default_factory=list)
     reply: bool = True
     defer: bool = False
+    grace_s: float = 0.0  # the server may hold the reply this long on purpose (Await), beyond the deadline
 
 
 @dataclass
@@ -309,6 +310,15 @@ class _Ops:
             pending = [pending[j] for j in rep.retry if 0 <= j < len(pending)]
         return results
 
+    def await_ready(
+        self, ns: str, items: Sequence[tuple[int, bytes]], tail_id: str | None, wait_s: float
+    ) -> _Op[tuple[list[bool], bool]]:
+        wait_ms = max(0, min(p.MAX_WAIT_MS, round(wait_s * 1000)))
+        msg = p.Await(ns=ns, items=[p.ItemRef(*it) for it in items], tail_id=tail_id, wait_ms=wait_ms)
+        rep = _expect((yield _Send(msg, grace_s=wait_ms / 1000)), p.Ready, self.url)
+        _check_len(rep.present, items, self.url)
+        return rep.present, rep.tail
+
     def get_tail(
         self, ns: str, request_id: str, out: dict[int, Buffer] | None = None
     ) -> _Op[dict[int, memoryview] | None]:
@@ -451,7 +461,7 @@ class KVStoreClient:
             self._sock.send_multipart([p.encode(step.msg), *step.frames], copy=False)
             if not step.reply:
                 return None
-            return req_id if step.defer else self._wait(req_id)
+            return req_id if step.defer else self._wait(req_id, step.grace_s)
         except zmq.Again:
             self._reset()
             raise _no_reply(self.url, self.timeout_s) from None
@@ -462,10 +472,10 @@ class KVStoreClient:
             self._reset()
             raise KVStoreError(f"kvstore {self.url}: {exc}") from exc
 
-    def _wait(self, req_id: int) -> _Reply:
+    def _wait(self, req_id: int, grace_s: float = 0.0) -> _Reply:
         got = self._ops.early(req_id)
         while got is None:
-            if self._sock is None or not self._sock.poll(int(self.timeout_s * 1000)):
+            if self._sock is None or not self._sock.poll(int((self.timeout_s + grace_s) * 1000)):
                 raise zmq.Again()
             frames = self._sock.recv_multipart(copy=False)
             got = self._ops.route(req_id, (p.decode_reply(frames[0].buffer), frames[1:]))
@@ -508,6 +518,13 @@ class KVStoreClient:
 
     def drop_tail(self, ns: str, request_id: str) -> None:
         return self._run(self._ops.drop_tail, ns, request_id)
+
+    def await_ready(
+        self, ns: str, items: Sequence[tuple[int, bytes]], tail_id: str | None = None, wait_s: float = 0.0
+    ) -> tuple[list[bool], bool]:
+        """Which items are stored, and whether the tail `tail_id` is complete, once all are or after
+        `wait_s` (the server holds the answer; no polling). wait_s=0 answers at once."""
+        return self._run(self._ops.await_ready, ns, items, tail_id, wait_s)
 
     def stats(self) -> dict:
         return self._run(self._ops.stats)
@@ -561,7 +578,7 @@ class AsyncKVStoreClient:
 
     async def _step(self, step: _Send | _Recv) -> _Reply | int | None:
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s + (step.grace_s if isinstance(step, _Send) else 0.0)):
                 if isinstance(step, _Recv):
                     return await self._wait(step.req_id)
                 if self._sock is None:
@@ -624,6 +641,11 @@ class AsyncKVStoreClient:
 
     async def drop_tail(self, ns: str, request_id: str) -> None:
         return await self._run(self._ops.drop_tail, ns, request_id)
+
+    async def await_ready(
+        self, ns: str, items: Sequence[tuple[int, bytes]], tail_id: str | None = None, wait_s: float = 0.0
+    ) -> tuple[list[bool], bool]:
+        return await self._run(self._ops.await_ready, ns, items, tail_id, wait_s)
 
     async def stats(self) -> dict:
         return await self._run(self._ops.stats)

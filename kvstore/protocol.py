@@ -30,6 +30,7 @@ MAX_ITEMS = 65536  # items in one batch
 MAX_KEY_BYTES = 64
 MAX_GROUP = 1023
 MAX_HEADER_BYTES = 16 << 20
+MAX_WAIT_MS = 60_000  # the longest an Await may be held
 # TCP batches travel as several messages of about this many payload bytes, so one side
 # processes a message while the next is on the wire.
 PIPELINE_BYTES = 8 << 20
@@ -146,6 +147,19 @@ class DropTail(_Req, tag="drop_tail"):
     request_id: str
 
 
+class Await(_Req, tag="await"):
+    """Answer `Ready` once every item (and the tail, if named) is stored, or after `wait_ms`.
+
+    A decode's load asks this while its producer may still be uploading: the store
+    answers the moment the last object lands instead of the client polling.
+    """
+
+    ns: str
+    items: list[ItemRef]
+    tail_id: str | None = None
+    wait_ms: int = 0
+
+
 class Corrupt(msgspec.Struct, array_like=True):
     """A payload whose checksum did not match on the client; `obj` guards against removing a newer copy."""
 
@@ -166,7 +180,7 @@ class Stats(_Req, tag="stats"):
     pass
 
 
-Request = Union[Info, RegisterLayout, Lookup, Put, PutTail, Commit, Get, GetTail, DropTail, Release, Stats]
+Request = Union[Info, RegisterLayout, Lookup, Put, PutTail, Commit, Get, GetTail, DropTail, Await, Release, Stats]
 
 # ---------------------------------------------------------------- replies
 
@@ -238,11 +252,18 @@ class TailLoaded(_Rep, tag="tail"):
     found: bool = True
 
 
+class Ready(_Rep, tag="ready"):
+    """Per awaited item: stored now; `tail`: the named tail is complete (False when none was named)."""
+
+    present: list[bool]
+    tail: bool = False
+
+
 class StatsReply(_Rep, tag="stats"):
     stats: dict[str, float]
 
 
-Reply = Union[ServerInfo, Error, Ok, Registered, LookupResult, Stored, Reserved, Loaded, TailLoaded, StatsReply]
+Reply = Union[ServerInfo, Error, Ok, Registered, LookupResult, Stored, Reserved, Loaded, TailLoaded, Ready, StatsReply]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -138,6 +138,23 @@ class Store:
         self.metrics.lookup_hits.inc(count)
         return count
 
+    def ready(self, ns: str, refs: Sequence[p.ItemRef], tail_id: str | None) -> tuple[list[bool], bool]:
+        """Which items are stored, and whether the named tail is complete (an Await's answer)."""
+        present = [self._has((ns, ref.group, ref.key)) for ref in refs]
+        tail = self.tails.get((ns, tail_id)) if tail_id is not None else None
+        return present, tail is not None and not tail.pending
+
+    def check_await(self, ns: str, refs: Sequence[p.ItemRef], tail_id: str | None, wait_ms: int) -> None:
+        p.check_namespace(ns)
+        p.check_items(len(refs))
+        for ref in refs:
+            p.check_group(ref.group)
+            p.check_key(ref.key)
+        if tail_id is not None:
+            p.check_request_id(tail_id)
+        if not 0 <= wait_ms <= p.MAX_WAIT_MS:
+            raise p.BadRequest(f"wait of {wait_ms} ms out of range 0..{p.MAX_WAIT_MS}")
+
     def _check_layout(self, layout: KVLayout) -> None:
         if not layout.model or not layout.groups:
             raise p.BadRequest("a layout needs a model and at least one KV group")

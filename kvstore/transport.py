@@ -24,11 +24,14 @@ from pdserve.kvstore.config import KVStoreConfig
 from pdserve.kvstore.l1 import Obj
 from pdserve.kvstore.metrics import Metrics
 from pdserve.kvstore.store import Conflict, Loaded, NoRoom, Store
+from pdserve.kvstore.waiters import Waiters
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 200  # upkeep (tail TTLs, lease deadlines) runs about this often
 _BATCH = 64  # messages handled between checks for sent frames when busy
+# Messages after which a parked Await may be ready.
+_STORES = (p.Put, p.PutTail, p.Commit)
 
 
 class StaleArena(Exception):
@@ -60,6 +63,8 @@ class ZmqServer:
         self.sock.bind(cfg.zmq_url)
         self._in_flight: list[tuple[zmq.MessageTracker, list[Obj]]] = []
         self._token = cfg.auth_token.encode() if cfg.auth_token else None
+        self.waiters = Waiters()
+        self._stored = False  # a message since the last wake-up may have stored something awaited
         self._handlers: dict[type, Handler] = {
             p.Info: self._info,
             p.RegisterLayout: lambda r, f: (p.Registered(namespace=store.register(r.layout, r.namespace)), None),
@@ -70,6 +75,7 @@ class ZmqServer:
             p.Get: self._get,
             p.GetTail: self._get_tail,
             p.DropTail: lambda r, f: (store.drop_tail(r.ns, r.request_id) or p.Ok(), None),
+            p.Await: self._await_now,
             p.Stats: self._stats,
         }
 
@@ -79,7 +85,7 @@ class ZmqServer:
         log.info("kvstore %s listening on %s (advertised: %s)", self.cfg.identity, self.cfg.zmq_url, self.cfg.advertised_url)
         next_upkeep = 0.0
         while not stop.is_set():
-            timeout = 5 if self._in_flight else POLL_MS
+            timeout = self.waiters.next_deadline_ms(5 if self._in_flight else POLL_MS)
             if self.sock.poll(timeout):
                 for _ in range(_BATCH):
                     try:
@@ -87,6 +93,7 @@ class ZmqServer:
                     except zmq.Again:
                         break
                     self._handle(frames)
+            self._wake()
             self._reap_sent()
             if (now := time.monotonic()) >= next_upkeep:
                 self.store.expire()
@@ -95,6 +102,18 @@ class ZmqServer:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
+
+    def _wake(self) -> None:
+        """Answer parked awaits that are ready (after something was stored) or whose wait ended."""
+        answers = self.waiters.ready(self._ready) if self._stored else []
+        self._stored = False
+        for parked, reply in answers + self.waiters.due(self._ready):
+            reply.id = parked.req.id
+            self._send(parked.ident, reply, None)
+
+    def _ready(self, req: p.Await) -> p.Ready:
+        present, tail = self.store.ready(req.ns, req.items, req.tail_id)
+        return p.Ready(present=present, tail=tail)
 
     def _reap_sent(self) -> None:
         if not self._in_flight:
@@ -125,6 +144,9 @@ class ZmqServer:
                 return
             if isinstance(req, p.Release):  # one-way
                 self.store.release(req.leases, req.corrupt)
+                return
+            self._stored |= isinstance(req, _STORES)
+            if isinstance(req, p.Await) and self._park(ident, req):
                 return
             reply, loaded = self._handlers[type(req)](req, [f.buffer for f in frames[2:]])
         except Exception as exc:  # a bug must not take the store down with it either
@@ -176,6 +198,19 @@ class ZmqServer:
         self.sock.send_multipart([ident, p.encode(p.Error(id=req_id, code=code, message=message))], copy=False)
 
     # ------------------------------------------------------------ ops
+
+    def _park(self, ident: zmq.Frame, req: p.Await) -> bool:
+        """Hold an await that cannot be answered yet; False: answer it now (its handler does)."""
+        self.store.check_await(req.ns, req.items, req.tail_id, req.wait_ms)
+        if req.wait_ms == 0:
+            return False
+        reply = self._ready(req)
+        if all(reply.present) and (req.tail_id is None or reply.tail):
+            return False
+        return self.waiters.park(ident, req)
+
+    def _await_now(self, req: p.Await, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+        return self._ready(req), None
 
     def _info(self, req: p.Info, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
         arena = self.store.arena

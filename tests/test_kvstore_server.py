@@ -188,6 +188,71 @@ def test_tail_expires_after_ttl(server: KVStoreProc) -> None:
             c.put_tail(NS, "req-bad", [(0, b"x"), (0, b"y")])
 
 
+# ------------------------------------------------------------------ awaiting an upload
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_await_is_answered_when_the_upload_lands(server: KVStoreProc, shm: bool) -> None:
+    """A consumer waiting for chunks and a tail is answered by the store once the producer's
+    upload lands: before its wait ends, and with everything present."""
+    k1, k2 = keys(2)
+    tail_id = f"req-await-{shm}"
+    answer: list[tuple[list[bool], bool]] = []
+
+    def consumer() -> None:
+        with KVStoreClient(server.url, shm=shm, timeout_s=5) as c:
+            answer.append(c.await_ready(NS, [(0, k1), (0, k2)], tail_id, wait_s=30))
+
+    waiter = threading.Thread(target=consumer)
+    waiter.start()
+    with KVStoreClient(server.url, shm=shm) as producer:
+        wait_until(lambda: stat(producer, "requests_total{op=await}") >= 1 or not waiter.is_alive(), "the await to arrive")
+        assert waiter.is_alive(), "the store answered before anything was stored"
+        producer.put(NS, [(0, k1, b"one")])
+        time.sleep(0.2)  # not a timing assertion: gives a wrong early answer the chance to show
+        assert waiter.is_alive(), "answered with one of two chunks and no tail"
+        producer.put(NS, [(0, k2, b"two")])
+        producer.put_tail(NS, tail_id, [(0, b"tail")])
+        waiter.join(timeout=20)
+        assert not waiter.is_alive(), "the await was not answered after the upload landed"
+        assert answer == [([True, True], True)]
+        got = producer.get(NS, [(0, k1), (0, k2)])
+        assert [bytes(g) for g in got if g is not None] == [b"one", b"two"]
+
+
+def test_await_ends_with_what_is_there_and_does_not_block_others(server: KVStoreProc) -> None:
+    k_there, k_never = keys(2)
+    with KVStoreClient(server.url) as c, KVStoreClient(server.url) as other:
+        c.put(NS, [(0, k_there, b"x")])
+        assert c.await_ready(NS, [(0, k_there)], wait_s=30) == ([True], False)  # ready: no wait at all
+        assert c.await_ready(NS, [(0, k_there), (0, k_never)], "no-such-tail", wait_s=0) == ([True, False], False)
+        done: list[tuple[list[bool], bool]] = []
+        waiter = threading.Thread(target=lambda: done.append(c.await_ready(NS, [(0, k_never)], wait_s=0.5)))
+        waiter.start()
+        # the store keeps serving everyone else while an await is parked
+        assert other.lookup(NS, [k_there], [0]) == 1
+        waiter.join(timeout=20)
+        assert done == [([False], False)]
+
+
+def test_parked_awaits_are_capped() -> None:
+    """Past the cap an await is answered at once: a flood cannot pin the store's memory."""
+    from pdserve.kvstore.waiters import Waiters
+
+    clock = [0.0]
+    waiters = Waiters(clock=lambda: clock[0], cap=2)
+    req = p.Await(ns=NS, items=[p.ItemRef(0, b"k")], wait_ms=1000)
+    assert waiters.park(b"a", req) and waiters.park(b"b", req)
+    assert not waiters.park(b"c", req)
+    never = lambda r: p.Ready(present=[False])  # noqa: E731
+    assert waiters.ready(never) == [] and waiters.due(never) == []
+    assert waiters.ready(lambda r: p.Ready(present=[True]))[0][0].ident == b"a"
+    assert len(waiters) == 0 and waiters.park(b"d", req)
+    clock[0] = 2.0
+    assert [parked.ident for parked, _ in waiters.due(never)] == [b"d"]
+    assert waiters.next_deadline_ms(200) == 200
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -224,9 +289,12 @@ def header(msg: msgspec.Struct, req_id: int = 5) -> bytes:
         ([header(p.Get(ns=NS, items=[p.ItemRef(0, b"")]))], "chunk key"),
         ([header(p.Lookup(ns=NS, groups=[0], keys=[b"k"] * (p.MAX_ITEMS + 1)))], "exceeds"),
         ([header(p.Commit(leases=[1, 2], checksums=[1]))], "2 leases but 1 checksums"),
+        ([header(p.Await(ns=NS, items=[p.ItemRef(0, b"k")], wait_ms=p.MAX_WAIT_MS + 1))], "out of range"),
+        ([header(p.Await(ns=NS, items=[p.ItemRef(0, b"k")], tail_id="a b", wait_ms=10))], "invalid request id"),
     ],
     ids=["garbage", "unknown-op", "wrong-type", "truncated", "size-mismatch", "path-namespace",
-         "group-range", "no-groups", "empty-key", "too-many-items", "commit-mismatch"],
+         "group-range", "no-groups", "empty-key", "too-many-items", "commit-mismatch", "await-too-long",
+         "await-bad-tail"],
 )
 def test_bad_messages_get_error_replies(server: KVStoreProc, frames: list[bytes], message: str) -> None:
     sock = raw_socket(server)
