@@ -7,6 +7,11 @@ random nonce: a client that can open the path but reads another nonce (another
 container's /dev/shm, a stale file) falls back to TCP frames. The file is reserved
 up front with posix_fallocate so a full /dev/shm is a clear start-up error rather
 than a SIGBUS in the middle of a copy.
+
+The clients of one process share one mapping of an arena (a connector has a client
+per load thread, plus one for saves). Each mapping of a shared page counts in the
+process's RSS and has its own page tables, so with a mapping per client a decode
+engine's RSS grew by four times the arena as its granules were first touched.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import mmap
 import os
 import re
 import secrets
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,6 +34,9 @@ _NAME_RE = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]+$")
 # would dominate a copy; clients map the arena in granules of this size ahead of use.
 GRANULE = 64 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+# This process's client mappings, by (path, nonce, size); an entry lives while a client uses it.
+_attached: dict[tuple[str, str, int], "Arena"] = {}
+_attached_lock = threading.Lock()
 
 
 class ArenaError(RuntimeError):
@@ -48,6 +57,8 @@ class Arena:
         self.view = memoryview(mm)[HEADER_BYTES : HEADER_BYTES + size]
         granules = -(-size // GRANULE)
         self._mapped = bytearray(b"\1" * granules if mapped else granules)  # 1: page tables populated
+        self._users = 1  # clients sharing this mapping (see attach); the last close unmaps it
+        self._key: tuple[str, str, int] | None = None  # its entry in _attached, for a client mapping
 
     @classmethod
     def create(cls, size: int, shared: bool = True) -> "Arena":
@@ -79,7 +90,22 @@ class Arena:
 
     @classmethod
     def attach(cls, path: str, nonce: str, size: int) -> "Arena":
-        """Client side: map the server's arena; raises ArenaError unless it is that server's arena."""
+        """Client side: the server's arena, mapped once per process (a client that attaches an arena
+        another client of this process has mapped shares that mapping); raises ArenaError unless it
+        is that server's arena. Each caller closes it once."""
+        key = (path, nonce, size)
+        with _attached_lock:
+            arena = _attached.get(key)
+            if arena is not None:
+                arena._users += 1
+                return arena
+            arena = cls._map(path, nonce, size)
+            arena._key = key
+            _attached[key] = arena
+            return arena
+
+    @classmethod
+    def _map(cls, path: str, nonce: str, size: int) -> "Arena":
         if not _NAME_RE.match(Path(path).name) or Path(path).parent != SHM_DIR:
             raise ArenaError(f"refusing to map {path!r}: not a pdserve arena under {SHM_DIR}")
         try:
@@ -123,6 +149,13 @@ class Arena:
                 pass
 
     def close(self) -> None:
+        """Unmap (and, for the server, remove) the arena once its last user closes it."""
+        with _attached_lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            if self._key is not None:
+                _attached.pop(self._key, None)
         try:
             self.view.release()
             self._mm.close()

@@ -195,6 +195,35 @@ def test_l1_concurrent_insert_keeps_first() -> None:
     assert l1._alloc.free_bytes == 4096 - max(ALIGN, 128)
 
 
+# ------------------------------------------------------------------ shared-memory arena
+
+
+def _mappings(path: Path | None) -> int:
+    """How many times this process maps `path` (each mapping counts its touched pages in RSS again)."""
+    return sum(1 for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(f" {path}"))
+
+
+def test_clients_of_a_process_share_one_mapping_of_the_arena() -> None:
+    server = Arena.create(1 << 20)
+    try:
+        assert server.path is not None and _mappings(server.path) == 1
+        first = Arena.attach(str(server.path), server.nonce, server.size)
+        second = Arena.attach(str(server.path), server.nonce, server.size)
+        assert _mappings(server.path) == 2  # the server's and the clients' one
+        first.close()
+        second.slice(4096, 3)[:] = b"abc"  # still mapped for the client that has not closed
+        assert bytes(server.slice(4096, 3)) == b"abc"
+        second.close()
+        assert _mappings(server.path) == 1
+        again = Arena.attach(str(server.path), server.nonce, server.size)
+        assert bytes(again.slice(4096, 3)) == b"abc" and _mappings(server.path) == 2
+        again.close()
+        assert _mappings(server.path) == 1
+    finally:
+        server.close()
+    assert not server.path.exists()
+
+
 # ------------------------------------------------------------------ L2
 
 
