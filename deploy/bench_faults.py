@@ -15,7 +15,9 @@ part is back (restarted ones included) and a normal request gets a full answer.
 
 `tests/test_faults_suite.py` runs `run_scenarios` and asserts on the rows it returns.
 `--soak-minutes N` then keeps the load on for N minutes and prints, each minute, the
-RSS of every process of the stack and the TTFT p50/p99 of the streamed requests.
+RSS of every process of the stack and the TTFT p50/p99 of the streamed requests;
+`--rss-detail` splits each vLLM tree's RSS into private memory and shared memory (the
+store's arena, whose pages count in a process's RSS as they are first touched).
 """
 
 from __future__ import annotations
@@ -370,12 +372,16 @@ def _pct(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def soak(fs: FaultStack, minutes: int, streams: int = 4, out=sys.stdout) -> list[list[str]]:
+def soak(fs: FaultStack, minutes: int, streams: int = 4, out=sys.stdout, rss_detail: bool = False) -> list[list[str]]:
     """The load for `minutes`; one line a minute: requests, outcomes, TTFT p50/p99 (ms), RSS (MiB)."""
     rows: list[list[str]] = []
-    names = list(fs.rss_mib())
+    names = list(fs.rss_mib(rss_detail))
     head = ["min", "reqs", "full", "other", "ttft_p50", "ttft_p99", *names]
-    print("soak: RSS in MiB (x/vllm: the worker's vLLM server and its engine core), TTFT in ms", file=out)
+    arena_mib = fs.cfg.kvstore_l1_size_gb * 1024
+    print("soak: RSS in MiB (x/vllm: a worker's vLLM server, engine core and worker), TTFT in ms", file=out)
+    print(f"  the store's shared L1 arena ({arena_mib:.0f} MiB) counts in the RSS of each process that maps it as its "
+          f"pages are first touched: a vLLM tree may grow by up to {arena_mib:.0f} MiB that way (shared, not a leak; "
+          "--rss-detail splits :anon from :shm)", file=out)
     print("  ".join(f"{h:>9}" for h in head), file=out, flush=True)
     with Load(fs, streams) as load:
         seen = 0
@@ -384,7 +390,7 @@ def soak(fs: FaultStack, minutes: int, streams: int = 4, out=sys.stdout) -> list
             done = list(load.outcomes)
             batch, seen = done[seen:], len(done)
             ttfts = [o.ttft * 1000 for o in batch if o.ttft is not None and o.kind == "full"]
-            rss = fs.rss_mib()
+            rss = fs.rss_mib(rss_detail)
             full = sum(o.kind == "full" for o in batch)
             row = [str(minute), str(len(batch)), str(full), str(len(batch) - full),
                    _fmt_ms(_pct(ttfts, 50)), _fmt_ms(_pct(ttfts, 99)),
@@ -413,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak-minutes", type=int, default=0,
                    help="after the scenarios, keep the load on this long, printing RSS and TTFT each minute")
     p.add_argument("--skip-scenarios", action="store_true", help="soak only")
+    p.add_argument("--rss-detail", action="store_true",
+                   help="soak: also split each vLLM tree's RSS into private (:anon) and shared (:shm) memory")
     p.add_argument("--log-dir", default=None, help="children's logs (default: a temp folder)")
     return p
 
@@ -429,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                         flush=True))
             print(format_table(rows), flush=True)
         if a.soak_minutes:
-            soak(fs, a.soak_minutes, a.streams)
+            soak(fs, a.soak_minutes, a.streams, rss_detail=a.rss_detail)
     bad = [r.scenario for r in rows if r.counts["hang"] or r.counts["5xx_nojson"] or r.leaked or not r.recovered]
     if bad:
         print(f"failed: {', '.join(bad)}", file=sys.stderr)

@@ -137,6 +137,27 @@ def rss_bytes(pids: list[int]) -> int:
     return total * os.sysconf("SC_PAGE_SIZE")
 
 
+# /proc/PID/status fields that split RSS: private memory, and shared memory (e.g. the store's arena).
+RSS_PARTS = {"anon": "RssAnon", "shm": "RssShmem"}
+
+
+def rss_parts(pids: list[int]) -> dict[str, int]:
+    """RSS split by kind, in bytes, summed over pids. A shared page counts once per mapping of it:
+    a process that maps the store's arena twice shows its touched pages twice in RssShmem."""
+    total = dict.fromkeys(RSS_PARTS, 0)
+    fields = {v: k for k, v in RSS_PARTS.items()}
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, _, value = line.partition(":")
+            if key in fields:
+                total[fields[key]] += int(value.split()[0]) * 1024
+    return total
+
+
 def _metric_sum(text: str, name: str) -> float:
     """Sum of every sample of a Prometheus metric (all label sets)."""
     total = 0.0
@@ -304,8 +325,9 @@ class FaultStack:
             out[name] = _metric_sum(text, "vllm:num_requests_running") + _metric_sum(text, "vllm:num_requests_waiting")
         return out
 
-    def rss_mib(self) -> dict[str, float]:
-        """RSS of every process of the stack: router, store, redis, each worker and each worker's vLLM tree."""
+    def rss_mib(self, detail: bool = False) -> dict[str, float]:
+        """RSS of every process of the stack: router, store, redis, each worker and each worker's vLLM tree;
+        with `detail`, each vLLM tree's RSS also split into private ('anon') and shared ('shm') memory."""
         out: dict[str, float] = {}
         for comp in self.stack.components:
             if comp.popen is None or comp.popen.poll() is not None:
@@ -313,6 +335,10 @@ class FaultStack:
             out[comp.name] = rss_bytes([comp.popen.pid]) / 2**20
             if comp.name in self.workers():
                 server = self.vllm_server(comp.name)
-                out[f"{comp.name}/vllm"] = rss_bytes(tree(server)) / 2**20 if server else 0.0
+                pids = tree(server) if server else []
+                out[f"{comp.name}/vllm"] = rss_bytes(pids) / 2**20
+                if detail:
+                    for part, size in rss_parts(pids).items():
+                        out[f"{comp.name}/vllm:{part}"] = size / 2**20
         out["redis"] = rss_bytes([self.redis.popen.pid]) / 2**20
         return out

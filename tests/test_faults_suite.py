@@ -16,13 +16,16 @@ The whole run is one module fixture: the engines start once.
 
 from __future__ import annotations
 
+import mmap
+import os
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from pdserve.deploy.bench_faults import SCENARIOS, FaultStack, Row, format_table, run_scenarios
-from pdserve.deploy.fault_stack import tree
+from pdserve.deploy.fault_stack import rss_parts, tree
 from procs import log_dir, start_redis
 
 pytestmark = pytest.mark.engine
@@ -57,6 +60,25 @@ def suite() -> Iterator[Suite]:
         yield s
     finally:
         s.fs.close()
+
+
+def test_rss_parts_tells_shared_memory_from_private() -> None:
+    """The soak's --rss-detail: touched pages of a shared mapping (like the store's arena) are :shm, not :anon."""
+    size, pid = 64 << 20, os.getpid()
+    path = Path("/dev/shm") / f"pdserve-test-rss-{pid}"
+    before = rss_parts([pid])
+    with path.open("w+b") as f:
+        f.truncate(size)
+        shared = mmap.mmap(f.fileno(), size)
+    try:
+        for offset in range(0, size, mmap.PAGESIZE):
+            shared[offset] = 1
+        after = rss_parts([pid])
+    finally:
+        shared.close()
+        path.unlink()
+    assert after["shm"] - before["shm"] >= size
+    assert after["anon"] - before["anon"] < size // 2
 
 
 @pytest.mark.parametrize("name", [n for n, _ in SCENARIOS])
