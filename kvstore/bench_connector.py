@@ -7,7 +7,8 @@ For each prompt length it measures on a tiny DeepSeek (CPU, or GPU where vLLM ha
                the baseline a vLLM user already has.
 Engines run one at a time so they never compete. MLA on the CPU has no local prefix
 cache; on a GPU the engines run with --no-enable-prefix-caching, so there too a repeated
-prompt is either recomputed or loaded, never cached. It also prints the connector's copy
+prompt is either recomputed or loaded, never cached; a third GPU engine with prefix caching on and no
+connector gives the floor (the repeat answered from device memory). It also prints the connector's copy
 throughput inside the engine (its vllm:pdserve_gather/scatter counters) beside a
 device-to-device copy measured in the same run.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -37,7 +39,7 @@ from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.ports import free_port
 from pdserve.deploy.tiny_model import CONFIGS
 from pdserve.deploy.tiny_model import main as tiny_main
-from pdserve.kvstore.engine_counters import read_counters
+from pdserve.kvstore.engine_counters import describe_load_phases, load_phase_means, read_counters
 
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -77,13 +79,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _engine(model: Path, kv_config: dict, max_len: int, logdir: Path, name: str, extra: Sequence[str]):
+def _engine(model: Path, kv_config: dict | None, max_len: int, logdir: Path, name: str, extra: Sequence[str]):
     port = free_port()
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", str(max_len), "--max-num-seqs", "4", "--enforce-eager",
-        "--kv-transfer-config", json.dumps(kv_config), *extra,
+        *(["--kv-transfer-config", json.dumps(kv_config)] if kv_config else []), *extra,
     ]
     return port, _process(argv, f"http://127.0.0.1:{port}/health", logdir / f"{name}.log")
 
@@ -104,15 +106,32 @@ def _model(port: int, _cache: dict[int, str] = {}) -> str:
     return _cache[port]
 
 
-def _measure(port: int, prompts: dict[int, list[int]], repeats: int) -> dict[int, tuple[float, float]]:
-    """Per length: (first-sight TTFT, median TTFT of the repeats of the same prompt)."""
+def _measure(port: int, prompts: dict[int, list[int]], repeats: int,
+             phases: dict[int, dict[str, float]] | None = None) -> dict[int, tuple[float, float]]:
+    """Per length: (first-sight TTFT, median TTFT of the repeats of the same prompt); with `phases`,
+    also where the connector's loads of the repeats spent their time (its counters, per length)."""
     _ttft(port, [7] * 32)  # warm-up
     out = {}
     for n, prompt in prompts.items():
         first = _ttft(port, prompt)
+        before = read_counters(f"http://127.0.0.1:{port}") if phases is not None else None
         again = statistics.median(_ttft(port, prompt) for _ in range(repeats))
         out[n] = (first, again)
+        if phases is not None:
+            phases[n] = _settled_phases(port, before, repeats)
     return out
+
+
+def _settled_phases(port: int, before: dict[str, float] | None, loads: int) -> dict[str, float]:
+    """The load phases once vLLM has shipped the counters of `loads` more loads to /metrics
+    (it does so on its logging interval); bounded, then whatever has arrived."""
+    deadline = time.monotonic() + 15
+    while True:
+        after = read_counters(f"http://127.0.0.1:{port}")
+        done = (after or {}).get("loads", 0.0) - (before or {}).get("loads", 0.0) >= loads
+        if done or time.monotonic() > deadline:
+            return load_phase_means(before, after)
+        time.sleep(0.5)
 
 
 def _copy_rates(port: int) -> dict[str, float]:
@@ -176,23 +195,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _process(store_argv, f"http://127.0.0.1:{store_http}/health", work / "kvstore.log"):
         port, ctx = _engine(model, ours_cfg, max_len, work, "pdserve", engine_extra)
         with ctx:
-            ours = _measure(port, prompts, args.repeats)
-            time.sleep(2)  # vLLM ships connector stats to /metrics on its logging interval
+            phases: dict[int, dict[str, float]] = {}
+            ours = _measure(port, prompts, args.repeats, phases)
             rates = _copy_rates(port)
     example_cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
     port, ctx = _engine(model, example_cfg, max_len, work, "example", engine_extra)
     with ctx:
         example = _measure(port, prompts, args.repeats)
+    # The floor no connector can beat: vLLM's own prefix cache in device memory (GPU only; the CPU
+    # engine has no prefix cache for MLA), no connector at all.
+    hbm: dict[int, tuple[float, float]] = {}
+    if _cuda():
+        plain = [a for a in engine_extra if a != "--no-enable-prefix-caching"]
+        port, ctx = _engine(model, None, max_len, work, "prefix-cache", plain)
+        with ctx:
+            hbm = _measure(port, prompts, args.repeats)
 
     rows = []
-    print(f"{'tokens':>7} {'recompute s':>12} {'pdserve s':>10} {'example s':>10} {'pdserve/example':>16} {'recompute/pdserve':>18}")
+    print(f"{'tokens':>7} {'recompute s':>12} {'pdserve s':>10} {'example s':>10} {'pdserve/example':>16} "
+          f"{'recompute/pdserve':>18} {'vLLM prefix cache s':>20}")
     for n in args.lengths:
         recompute, loaded = ours[n]
         ex = example[n][1]
+        floor = hbm[n][1] if n in hbm else math.nan
         rows.append({"tokens": n, "recompute_s": recompute, "pdserve_s": loaded, "example_s": ex,
-                     "example_recompute_s": example[n][0]})
-        print(f"{n:>7} {recompute:>12.3f} {loaded:>10.3f} {ex:>10.3f} {loaded / ex:>16.2f} {recompute / loaded:>18.1f}")
+                     "example_recompute_s": example[n][0], "prefix_cache_s": floor, "pdserve_loads": phases.get(n, {})})
+        print(f"{n:>7} {recompute:>12.3f} {loaded:>10.3f} {ex:>10.3f} {loaded / ex:>16.2f} {recompute / loaded:>18.1f} "
+              f"{floor:>20.3f}")
+    for n in args.lengths:
+        print(f"pdserve loads at {n} tokens: {describe_load_phases(phases.get(n, {}))}")
+    if hbm:
+        print("vLLM prefix cache: the same prompt again on an engine with prefix caching and no connector "
+              "(its KV never leaves the GPU): the floor for any connector")
     print("target: pdserve/example <= 0.50 at every length")
     d2d = _d2d_copy_gbps()
     for kind, what in (("gather", "save: paged cache -> host"), ("scatter", "load: host -> paged cache")):

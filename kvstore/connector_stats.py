@@ -23,7 +23,7 @@ COUNTERS: dict[str, str] = {
     "load_seconds": "seconds from a load's start (start_load_kv) until vLLM is told it finished, summed over loads",
     "load_queue_seconds": "seconds loads waited for a free load thread, summed over loads",
     "load_fetch_seconds": "seconds loads spent fetching from the store (waits for a producer's upload included)",
-    "load_fetch_retries": "store fetches repeated because a producer's upload had not landed yet",
+    "load_fetch_waits": "times a load waited in the store for a producer's upload to land",
     "gather_bytes": "KV bytes copied out of the paged cache for saves (device to host included)",
     "gather_seconds": "seconds spent copying KV out of the paged cache for saves",
     "scatter_bytes": "KV bytes copied into the paged cache by loads (host to device included)",

@@ -33,9 +33,10 @@ log = logging.getLogger("pdserve.connector")
 # Loaded payloads are read-only views over received frames; torch only reads them.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
-# A decode leg can arrive while its producer is still uploading: poll the store soon after
-# (the upload is usually a few ms behind the prefill response), then back off.
-LOAD_POLL_S = (0.001, 0.002, 0.005, 0.01, 0.02)
+# A decode leg can arrive while its producer is still uploading: the store holds an Await
+# until the upload lands, in slices of this long (a dead store is noticed after one slice
+# plus the reply deadline, not after the whole handoff wait).
+AWAIT_SLICE_S = 0.5
 # How long an idle step (nothing scheduled, loads in flight) may wait for a load to finish.
 # vLLM steps without pause while a request waits for its KV; each empty step holds the
 # GIL, starving the load thread (measured: a 3 ms fetch took 20-130 ms to be reported,
@@ -231,7 +232,7 @@ class WorkerIO:
         # Shared memory: copy out of the arena into staging (its slots are reused once the lease
         # ends). TCP: the received frames are private already; scatter straight from them.
         dest = self._staging_views(job) if client.uses_shm else None
-        polls, start = 0, time.perf_counter()
+        waits, start = 0, time.perf_counter()
         while True:
             health.check()  # another load may have found the store dead meanwhile
             missing = [i for i in chunk_idx if got[i] is None]
@@ -246,11 +247,15 @@ class WorkerIO:
                     tail_pending = False
                     for i in tail_idx:
                         got[i] = tail.get(job.objects[i].group)
-            if (all(got[i] is not None for i in chunk_idx) and not tail_pending) or time.monotonic() >= deadline:
-                self.stats.add(load_fetch_seconds=time.perf_counter() - start, load_fetch_retries=polls)
+            left = deadline - time.monotonic()
+            if (all(got[i] is not None for i in chunk_idx) and not tail_pending) or left <= 0:
+                self.stats.add(load_fetch_seconds=time.perf_counter() - start, load_fetch_waits=waits)
                 return got
-            time.sleep(LOAD_POLL_S[min(polls, len(LOAD_POLL_S) - 1)])
-            polls += 1
+            # The producer is still uploading: the store answers when the rest has landed. In slices,
+            # so a store that dies meanwhile is noticed within about a reply deadline.
+            still = [(job.objects[i].group, job.objects[i].key) for i in chunk_idx if got[i] is None]
+            client.await_ready(self.namespace, still, job.tail_id if tail_pending else None, min(left, AWAIT_SLICE_S))
+            waits += 1
 
     def _staging_views(self, job: TransferJob) -> list:
         """One reused host buffer for a job's chunks: the store copies straight into it."""

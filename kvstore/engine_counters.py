@@ -37,3 +37,33 @@ def read_counters(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What each counter gained between two readings."""
     return {name: value - before.get(name, 0.0) for name, value in after.items()}
+
+
+# Where a load's time goes, per load (ms): from start_load_kv until vLLM hears it finished, the
+# wait for a load thread, the store fetch (waits for a producer's upload included) and the copy
+# into the paged cache; what the three leave of the whole is the engine noticing the finished load.
+LOAD_PHASES = {"load_ms": "load_seconds", "load_queue_ms": "load_queue_seconds",
+               "load_fetch_ms": "load_fetch_seconds", "load_scatter_ms": "scatter_seconds"}
+
+
+def load_phase_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """Mean ms per load of each phase between two readings, and the store waits per load; empty without loads."""
+    if not before or not after:
+        return {}
+    gained = delta(before, after)
+    loads = gained.get("loads", 0.0)
+    if loads <= 0:
+        return {}
+    out = {key: 1000.0 * gained.get(name, 0.0) / loads for key, name in LOAD_PHASES.items()}
+    out["load_waits"] = gained.get("load_fetch_waits", 0.0) / loads
+    return out
+
+
+def describe_load_phases(means: dict[str, float]) -> str:
+    """One line for a benchmark's output."""
+    if not means:
+        return "no loads"
+    return (f"{means['load_ms']:.1f} ms per load: waiting for a load thread {means['load_queue_ms']:.1f}, "
+            f"store fetch {means['load_fetch_ms']:.1f} ({means['load_waits']:.1f} waits for a producer's upload), "
+            f"copy into the paged cache {means['load_scatter_ms']:.1f}, the engine noticing it "
+            f"{means['load_ms'] - means['load_queue_ms'] - means['load_fetch_ms'] - means['load_scatter_ms']:.1f}")

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from pdserve.deploy.cli import split_passthrough
 from pdserve.deploy.ports import free_port
-from pdserve.kvstore.engine_counters import delta, read_counters
+from pdserve.kvstore.engine_counters import describe_load_phases, load_phase_means, read_counters
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -224,25 +224,6 @@ async def router_totals(client: httpx.AsyncClient, base_url: str) -> dict[str, t
             for key, name in _ROUTER_SERIES.items()}
 
 
-# Per-load means of the decode engine's connector counters (engine_counters), in ms: where a load's
-# time goes, from start_load_kv until vLLM hears it finished.
-_LOAD_PHASES = {"connector_load_mean_ms": "load_seconds", "load_queue_mean_ms": "load_queue_seconds",
-                "load_fetch_mean_ms": "load_fetch_seconds", "load_scatter_mean_ms": "scatter_seconds"}
-
-
-def connector_load_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
-    """Mean ms per load of each phase over a run, and store fetch retries per load; empty without loads."""
-    if not before or not after:
-        return {}
-    gained = delta(before, after)
-    loads = gained.get("loads", 0.0)
-    if loads <= 0:
-        return {}
-    out = {key: 1000.0 * gained.get(name, 0.0) / loads for key, name in _LOAD_PHASES.items()}
-    out["load_fetch_retries_mean"] = gained.get("load_fetch_retries", 0.0) / loads
-    return out
-
-
 def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
     """Mean ms per request over a run, from the router's histograms: the handoff measured where it
     happens (prefill response to first decode token), free of the prefill-time noise in a TTFT difference."""
@@ -369,7 +350,7 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "router_handoff_mean_ms": pd.get("router", {}).get("handoff_mean_ms", math.nan),
             "router_own_mean_ms": coloc.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "router_own_pd_mean_ms": pd.get("router", {}).get("router_overhead_mean_ms", math.nan),
-            **{key: pd.get(key, math.nan) for key in (*_LOAD_PHASES, "load_fetch_retries_mean")},
+            "decode_loads": pd.get("decode_loads", {}),
         })
     return rows
 
@@ -426,11 +407,8 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
         print(f"  as the router measures it (mean): handoff {row['router_handoff_mean_ms']:.1f} ms "
               f"(prefill response to first decode token); router's own time "
               f"{row['router_own_mean_ms']:.2f} ms colocated, {row['router_own_pd_mean_ms']:.2f} ms P/D; "
-              f"decode engine's KV load {row['connector_load_mean_ms']:.1f} ms")
-        print(f"  decode engine's KV load per request (mean): waiting for a load thread "
-              f"{row['load_queue_mean_ms']:.1f} ms, store fetch {row['load_fetch_mean_ms']:.1f} ms "
-              f"({row['load_fetch_retries_mean']:.1f} retries for a producer's upload), copy into the paged cache "
-              f"{row['load_scatter_mean_ms']:.1f} ms; the rest until vLLM hears it finished is the engine's step")
+              f"decode engine's KV load {row['decode_loads'].get('load_ms', math.nan):.1f} ms")
+        print(f"  decode engine's KV loads: {describe_load_phases(row['decode_loads'])}")
 
 
 def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
@@ -499,7 +477,7 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
         for conc in cfg.max_concurrency:
             before = read_counters(decode_url)
             level = asyncio.run(bench_endpoint(bench, pd.router_url, "pd", prompts, [conc]))
-            level[0].metrics.update(connector_load_means(before, read_counters(decode_url)))
+            level[0].metrics["decode_loads"] = load_phase_means(before, read_counters(decode_url))
             runs += level
     coloc = stack(num_prefill=0, num_decode=1, connector=False, pd_min_prompt_tokens=10**9)
     with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):

@@ -1,5 +1,7 @@
 """engine_counters reads the connector's counters off an engine's Prometheus page (no vLLM needed)."""
 
+import pytest
+
 from pdserve.kvstore.engine_counters import delta, parse_counters
 
 PAGE = """\
@@ -20,3 +22,16 @@ def test_counters_are_summed_over_engines_and_skip_other_series():
 
 def test_delta_counts_what_each_counter_gained():
     assert delta({"loads": 2.0}, {"loads": 5.0, "load_seconds": 0.25}) == {"loads": 3.0, "load_seconds": 0.25}
+
+
+def test_load_phases_are_means_per_load_between_two_readings():
+    from pdserve.kvstore.engine_counters import describe_load_phases, load_phase_means
+
+    before = {"loads": 2.0, "load_seconds": 0.1}
+    after = {"loads": 6.0, "load_seconds": 0.14, "load_queue_seconds": 0.004, "load_fetch_seconds": 0.02,
+             "scatter_seconds": 0.008, "load_fetch_waits": 2.0}
+    means = load_phase_means(before, after)
+    assert means["load_ms"] == pytest.approx(10.0) and means["load_fetch_ms"] == pytest.approx(5.0)
+    assert means["load_scatter_ms"] == pytest.approx(2.0) and means["load_waits"] == pytest.approx(0.5)
+    assert "engine noticing it 2.0" in describe_load_phases(means)
+    assert load_phase_means(after, after) == {} and load_phase_means(None, after) == {}
