@@ -13,12 +13,16 @@ from procs import ENGINE_ENV, free_port, pdserve_argv, start_process
 
 OFFLINE_SCRIPT = textwrap.dedent(
     """
-    import json, random, sys
+    import json, random, sys, time, urllib.request
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    def store_objects(stats_url):
+        with urllib.request.urlopen(stats_url) as r:
+            return json.load(r)["metrics"].get("tier_objects{tier=l1}", 0)
+
     if __name__ == "__main__":
-        model, url = sys.argv[1], sys.argv[2]
+        model, url, stats_url = sys.argv[1], sys.argv[2], sys.argv[3]
         llm = LLM(
             model=model, load_format="dummy", max_model_len=2048, max_num_seqs=4, enforce_eager=True,
             kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False,  # the store is the only reuse path
@@ -31,10 +35,17 @@ OFFLINE_SCRIPT = textwrap.dedent(
         prompt = {"prompt_token_ids": [rng.randrange(3, 1000) for _ in range(600)]}
         params = SamplingParams(max_tokens=8, temperature=0)
         first = llm.generate(prompt, params)[0]
+        # The connector uploads a step's chunks on a background thread while the engine goes on
+        # decoding, so the first prompt can return before its chunks have landed (on a loaded
+        # 2-core host it did, and the second prompt then rightly recomputed). Reuse needs them there.
+        deadline = time.monotonic() + 300  # a hang guard, not a measurement
+        while (stored := store_objects(stats_url)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         second = llm.generate(prompt, params)[0]
         print("RESULT " + json.dumps({
             "first": list(first.outputs[0].token_ids), "second": list(second.outputs[0].token_ids),
             "first_cached": first.num_cached_tokens, "second_cached": second.num_cached_tokens,
+            "stored_before_second": stored,
         }))
     """
 )
@@ -58,14 +69,18 @@ def test_offline_llm_reuses_prefix_from_the_store(tiny_one_group: Path, tmp_path
         script = tmp_path / "offline.py"
         script.write_text(OFFLINE_SCRIPT)
         run = subprocess.run(
-            [sys.executable, str(script), str(tiny_one_group), f"tcp://127.0.0.1:{port}"],
+            [sys.executable, str(script), str(tiny_one_group), f"tcp://127.0.0.1:{port}",
+             f"http://127.0.0.1:{http_port}/stats"],
             capture_output=True, text=True, timeout=900, env=_env(),
         )
         lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
         assert run.returncode == 0 and lines, run.stderr[-3000:]
         result = json.loads(lines[0].removeprefix("RESULT "))
         assert result["first_cached"] == 0
-        assert result["second_cached"] >= 512  # two whole 256-token chunks came from the store
+        connector_log = "\n".join(ln for ln in run.stderr.splitlines() if "kvstore" in ln or "pdserve" in ln)
+        assert result["stored_before_second"] >= 2, connector_log  # the first prompt's two whole chunks
+        # both came from the store (else the log names why: e.g. a store marked down)
+        assert result["second_cached"] >= 512, connector_log
         assert result["second"] == result["first"]
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/stats") as r:
             moved = json.load(r)["metrics"]
