@@ -17,6 +17,7 @@ loads from its own store only when both name it. A store that is marked down
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,12 +26,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from pdserve.kvstore.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.connector_plan import GroupGeometry, TransferJob, plan_objects
+from pdserve.kvstore.handoff import HandoffWatch, handoff_id, handoff_tail_id, handoff_wait
 from pdserve.kvstore.keys import chunk_keys
 from pdserve.kvstore.store_health import StoreDown, health_of
 
 log = logging.getLogger("pdserve.connector")
 
 PARAMS_TAG = "pdserve"
+# An idle step (nothing scheduled) while handoffs are held waits this long for one to land,
+# instead of spinning (and holding the GIL the watch threads need).
+HOLD_WAIT_S = 0.005
 
 
 @dataclass
@@ -61,6 +66,8 @@ class ReqState:
     prompt: list[int]
     keys: list[bytes]
     remote_decode: bool
+    salt: str | None = None
+    handoff_tail: str | None = None  # the tail's name when the router overlaps the legs
     chunks_in_store: int = 0
     chunks_saved: int = 0
     tail_id: str | None = None
@@ -88,6 +95,7 @@ class SchedulerSide:
         self.saves = saves
         self.loads = loads
         self.handoff_wait_s = handoff_wait_s
+        self.client_args = client_args
         self.client = KVStoreClient(**{**client_args, "shm": False})  # lookups and tail drops move no payload
         self.health = health_of(client_args)
         info = self.client.info()
@@ -97,6 +105,8 @@ class SchedulerSide:
         self.reqs: dict[str, ReqState] = {}
         self.plans: dict[str, LoadPlan] = {}
         self.pending_loads: list[TransferJob] = []
+        self.watches: dict[str, HandoffWatch] = {}  # overlapped handoffs held until their KV has landed
+        self.wake = threading.Event()  # set when a watch ends
 
     # matching ---------------------------------------------------------------
     def _state(self, request: Any) -> ReqState:
@@ -104,10 +114,15 @@ class SchedulerSide:
         if state is None:
             prompt = list(request.prompt_token_ids or [])
             params = request.kv_transfer_params or {}
+            salt = getattr(request, "cache_salt", None)
+            remote_decode = bool(params.get("do_remote_decode"))
+            handoff = handoff_id(params) if remote_decode else None
             state = ReqState(
                 prompt=prompt,
-                keys=chunk_keys(self.namespace, prompt, self.chunk_size, getattr(request, "cache_salt", None)),
-                remote_decode=bool(params.get("do_remote_decode")),
+                keys=chunk_keys(self.namespace, prompt, self.chunk_size, salt),
+                remote_decode=remote_decode,
+                salt=salt,
+                handoff_tail=handoff_tail_id(handoff, prompt, salt) if handoff else None,
             )
             self.reqs[request.request_id] = state
         return state
@@ -123,6 +138,24 @@ class SchedulerSide:
         except KVStoreError as exc:
             log.warning("store lookup failed, recomputing: %s", exc)
             return 0
+
+    def _overlap_plan(self, req_id: str, state: ReqState, params: dict) -> LoadPlan | None:
+        """A handoff whose prefill may still be running: plan the whole prompt (its full chunks and,
+        unless chunk-aligned, the tail named after the handoff and this prompt) and watch the store
+        for the last object the producer uploads (the tail, else the last chunk's)."""
+        handoff = handoff_id(params)
+        if params.get(PARAMS_TAG) != 1 or handoff is None or len(state.prompt) < 2:
+            return None
+        tail_id = handoff_tail_id(handoff, state.prompt, state.salt) if len(state.prompt) % self.chunk_size else None
+        if tail_id is None and not state.keys:
+            return None
+        end = len(state.prompt) if tail_id else len(state.keys) * self.chunk_size
+        store_url, store_id = self._producer_store(params)
+        last = [] if tail_id else [(g, state.keys[-1]) for g in self.groups]
+        args = self.client_args if store_url is None else {**self.client_args, "url": store_url}
+        wait_s = handoff_wait(params, self.handoff_wait_s)
+        self.watches[req_id] = HandoffWatch(args, self.namespace, last, tail_id, wait_s, self.wake)
+        return LoadPlan(len(state.keys), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s, store_url, store_id)
 
     def _handoff_plan(self, state: ReqState, params: dict) -> LoadPlan | None:
         """The producer's promise, if it was made for exactly this prompt in our namespace."""
@@ -149,7 +182,7 @@ class SchedulerSide:
             return None, store_id
         return url or self.url, store_id
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         state = self._state(request)
         if state.load_issued:
             # One load attempt per request: vLLM asks again only after a failed load,
@@ -158,7 +191,10 @@ class SchedulerSide:
         if request.request_id in self.plans:
             plan = self.plans[request.request_id]
         else:
-            plan = self._handoff_plan(state, request.kv_transfer_params or {}) if self.loads else None
+            params = request.kv_transfer_params or {}
+            plan = None
+            if self.loads:
+                plan = self._overlap_plan(request.request_id, state, params) or self._handoff_plan(state, params)
             if plan is None:
                 found = self._lookup(state.keys)
                 state.chunks_in_store = found
@@ -168,6 +204,13 @@ class SchedulerSide:
             if not self.loads:
                 plan = LoadPlan(0, 0, None, 0.0)
             self.plans[request.request_id] = plan
+        watch = self.watches.get(request.request_id)
+        if watch is not None:
+            if not watch.done.is_set():
+                return None, False  # the producer is still at it: vLLM asks again on a later step
+            del self.watches[request.request_id]
+            if not watch.ready:  # aborted, timed out or store unreachable: recompute
+                plan = self.plans[request.request_id] = LoadPlan(0, 0, None, 0.0)
         new = plan.load_end - num_computed
         return (new, True) if new > 0 else (0, False)
 
@@ -209,7 +252,7 @@ class SchedulerSide:
         )
         if done <= first and not needs_tail:
             return None
-        tail_id = f"{req_id}-{uuid.uuid4().hex[:8]}" if needs_tail else None
+        tail_id = (state.handoff_tail or f"{req_id}-{uuid.uuid4().hex[:8]}") if needs_tail else None
         objects = plan_objects(
             self.geometries,
             state.block_ids,
@@ -227,6 +270,10 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> StepMeta:
         meta = StepMeta(loads=self.pending_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)
         self.pending_loads = []
+        if meta.idle and self.watches:
+            if not any(w.done.is_set() for w in self.watches.values()):
+                self.wake.wait(HOLD_WAIT_S)
+            self.wake.clear()
         if not self.saves:
             return meta
         scheduled = scheduler_output.num_scheduled_tokens
@@ -260,6 +307,9 @@ class SchedulerSide:
         """Forget the request; for a P/D prefill return the params the decode side needs."""
         state = self.reqs.pop(request.request_id, None)
         self.plans.pop(request.request_id, None)
+        watch = self.watches.pop(request.request_id, None)
+        if watch is not None:
+            watch.cancel()
         if state is None or not state.remote_decode or not self.saves:
             return None
         if request.is_finished() and str(request.status).endswith("ABORTED"):

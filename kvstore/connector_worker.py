@@ -44,8 +44,40 @@ AWAIT_SLICE_S = 0.5
 # reports it the moment it lands; the bound keeps a new arrival's wait short.
 IDLE_WAIT_S = 0.01
 NULL_BLOCK = 0
-# Loads in progress at once (each thread has its own clients and staging buffer).
+# Loads in progress at once (each thread has its own clients; staging buffers come from a shared pool).
 LOAD_THREADS = 4
+
+
+class StagingPool:
+    """Host buffers the store copies loads into, shared by the load threads.
+
+    Pinned when the caches are on a GPU (the upload then reads straight from them), and
+    pinning is slow to allocate (measured on the H200 host: a 150 MB buffer cost about
+    100 ms), so buffers are kept and reused by whichever thread loads next, instead of each
+    thread paying for its own. Each load holds one buffer, so there are never more than
+    the load threads.
+    """
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least `nbytes`: the smallest free one that fits, else a new one
+        (replacing a free one that is too small, so the pool does not grow past the loads)."""
+        with self._lock:
+            order = sorted(range(len(self._free)), key=lambda i: self._free[i].numel())  # smallest first
+            fits = [i for i in order if self._free[i].numel() >= nbytes]
+            if fits:
+                return self._free.pop(fits[0])
+            if self._free:
+                self._free.pop(order[0])
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
 
 
 def _log_failure(exc: Exception, what: str) -> None:
@@ -95,7 +127,7 @@ class WorkerIO:
         self._loads: queue.Queue[tuple[TransferJob, float] | None] = queue.Queue()  # (job, when handed over)
         self._done: queue.Queue[LoadOutcome] = queue.Queue()
         self.stats = StatsCounter()
-        self._local = threading.local()  # each load thread's staging buffer
+        self._staging = StagingPool(pinned=any(group.cuda for group in groups))
         self._write_lock = threading.Lock()  # one scatter into the paged cache at a time
         self._foreign_stores: set[tuple[str | None, str]] = set()  # (url, id) mismatches already logged
         self._in_flight = 0  # loads handed to the load threads and not yet reported
@@ -222,16 +254,18 @@ class WorkerIO:
             )
         return 0.0
 
-    def _fetch(self, client: KVStoreClient, job: TransferJob, health: StoreHealth) -> list[memoryview | None]:
-        """Fetch every object, waiting up to job.wait_s for ones a producer is still uploading."""
-        deadline = time.monotonic() + self._wait_budget(client, job)  # maps the store's arena on this host
+    def _fetch(self, client: KVStoreClient, job: TransferJob, health: StoreHealth,
+               staging: torch.Tensor | None) -> list[memoryview | None]:
+        """Fetch every object (into `staging`, if given), waiting up to job.wait_s for ones a producer
+        is still uploading."""
+        deadline = time.monotonic() + self._wait_budget(client, job)
         chunk_idx = [i for i, o in enumerate(job.objects) if o.key is not None]
         tail_idx = [i for i, o in enumerate(job.objects) if o.key is None]
         got: list[memoryview | None] = [None] * len(job.objects)
         tail_pending = bool(tail_idx and job.tail_id)
         # Shared memory: copy out of the arena into staging (its slots are reused once the lease
         # ends). TCP: the received frames are private already; scatter straight from them.
-        dest = self._staging_views(job) if client.uses_shm else None
+        dest = self._staging_views(job, staging) if staging is not None else None
         waits, start = 0, time.perf_counter()
         while True:
             health.check()  # another load may have found the store dead meanwhile
@@ -257,24 +291,30 @@ class WorkerIO:
             client.await_ready(self.namespace, still, job.tail_id if tail_pending else None, min(left, AWAIT_SLICE_S))
             waits += 1
 
-    def _staging_views(self, job: TransferJob) -> list:
-        """One reused host buffer for a job's chunks: the store copies straight into it."""
-        sizes = [self.groups[o.group].object_bytes(len(o.block_ids)) for o in job.objects]
-        total = sum(sizes)
-        staging = getattr(self._local, "staging", None)
-        if staging is None or staging.numel() < total:
-            # Pinned for CUDA caches: the upload to the GPU then reads straight from it.
-            pinned = any(group.cuda for group in self.groups)
-            staging = self._local.staging = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    def _object_sizes(self, job: TransferJob) -> list[int]:
+        return [self.groups[o.group].object_bytes(len(o.block_ids)) for o in job.objects]
+
+    def _staging_views(self, job: TransferJob, staging: torch.Tensor) -> list:
+        """The job's objects' places in one staging buffer: the store copies straight into them."""
         views, offset = [], 0
-        for size in sizes:
+        for size in self._object_sizes(job):
             views.append(staging[offset : offset + size].numpy())
             offset += size
         return views
 
     def _load_one(self, client: KVStoreClient, job: TransferJob, health: StoreHealth) -> LoadOutcome:
+        client.info()  # maps the store's arena when it is on this host (then uses_shm)
+        staging = self._staging.take(sum(self._object_sizes(job))) if client.uses_shm else None
+        try:
+            return self._load_into_cache(client, job, health, staging)
+        finally:  # the copy into the paged cache is complete: the buffer is free for the next load
+            if staging is not None:
+                self._staging.give(staging)
+
+    def _load_into_cache(self, client: KVStoreClient, job: TransferJob, health: StoreHealth,
+                         staging: torch.Tensor | None) -> LoadOutcome:
         outcome = LoadOutcome(job.req_id)
-        fetched = self._fetch(client, job, health)
+        fetched = self._fetch(client, job, health, staging)
         usable = [i for i, (spec, data) in enumerate(zip(job.objects, fetched)) if self._usable(spec, data)]
         for i, (spec, data) in enumerate(zip(job.objects, fetched)):
             if i not in usable:

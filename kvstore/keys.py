@@ -43,3 +43,13 @@ def chunk_keys(
         prev = h.digest(length=KEY_BYTES)
         keys.append(prev)
     return keys
+
+
+def prompt_digest(token_ids: Sequence[int], salt: str | None = None) -> str:
+    """A short hex digest of a whole prompt (and its cache salt): binds a handoff to one prompt."""
+    h = blake3.blake3(b"pdserve-prompt-v1\0")
+    if salt:
+        h.update(salt.encode())
+    h.update(b"\0")
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.hexdigest(length=12)

@@ -23,12 +23,14 @@ import asyncio
 import json
 import math
 import signal
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import httpx
 import numpy as np
@@ -337,6 +339,7 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
         if not (pd and coloc and direct):
             continue
         pd_ttft, coloc_ttft, direct_ttft = (m["ttft_ms"]["p50"] for m in (pd, coloc, direct))
+        seq = by.get(("pd-sequential", conc))
         rows.append({
             "max_concurrency": conc,
             "pd_ttft_p50_ms": pd_ttft,
@@ -351,6 +354,9 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "router_own_mean_ms": coloc.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "router_own_pd_mean_ms": pd.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "decode_loads": pd.get("decode_loads", {}),
+            "sequential_handoff_p50_ms": seq["ttft_ms"]["p50"] - coloc_ttft if seq else math.nan,
+            "sequential_router_handoff_mean_ms": (seq or {}).get("router", {}).get("handoff_mean_ms", math.nan),
+            "sequential_decode_loads": (seq or {}).get("decode_loads", {}),
         })
     return rows
 
@@ -409,6 +415,10 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
               f"{row['router_own_mean_ms']:.2f} ms colocated, {row['router_own_pd_mean_ms']:.2f} ms P/D; "
               f"decode engine's KV load {row['decode_loads'].get('load_ms', math.nan):.1f} ms")
         print(f"  decode engine's KV loads: {describe_load_phases(row['decode_loads'])}")
+        if not math.isnan(row["sequential_handoff_p50_ms"]):
+            print(f"  legs in sequence (--no-pd-overlap): handoff overhead {row['sequential_handoff_p50_ms']:.1f} ms, "
+                  f"router-measured handoff {row['sequential_router_handoff_mean_ms']:.1f} ms; KV loads: "
+                  f"{describe_load_phases(row['sequential_decode_loads'])}")
 
 
 def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
@@ -452,6 +462,39 @@ async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: P
     return runs
 
 
+@contextmanager
+def second_router(stack: Any, *flags: str) -> Iterator[str]:
+    """Another router over `stack`'s workers with extra flags (e.g. --no-pd-overlap); yields its URL."""
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve.deploy.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+            "--prefill", *stack.worker_urls("prefill"), "--decode", *stack.worker_urls("decode"),
+            "--pd-min-prompt-tokens", "0", *flags]
+    if stack.tokenizer:
+        argv += ["--tokenizer", stack.tokenizer]
+    if stack.api_key:
+        argv += ["--api-key", stack.api_key]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"router {' '.join(flags)} did not get ready")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def compare_stacks(cfg: BenchConfig) -> list[Run]:
     """P/D stack, then a colocated engine (through the router and direct), one after the other."""
     from pdserve.deploy.local import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS, LocalStack, StackConfig, tiny_model_dir
@@ -472,13 +515,16 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
 
     runs: list[Run] = []
     pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
-    with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm):
+    with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), \
+            second_router(pd, "--no-pd-overlap") as sequential_url:
         decode_url = pd.worker_urls("decode")[0]
         for conc in cfg.max_concurrency:
-            before = read_counters(decode_url)
-            level = asyncio.run(bench_endpoint(bench, pd.router_url, "pd", prompts, [conc]))
-            level[0].metrics["decode_loads"] = load_phase_means(before, read_counters(decode_url))
-            runs += level
+            # The stack's router overlaps the legs (the default); the second sends them in sequence.
+            for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url)):
+                before = read_counters(decode_url)
+                level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc]))
+                level[0].metrics["decode_loads"] = load_phase_means(before, read_counters(decode_url))
+                runs += level
     coloc = stack(num_prefill=0, num_decode=1, connector=False, pd_min_prompt_tokens=10**9)
     with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):
         # Router and direct alternate level by level, so slow drift in the machine's

@@ -31,6 +31,7 @@ class RouterConfig:
     decode_policy: PolicyName = "least-loaded"
     pd_min_prompt_tokens: int = 256
     pd_max_cached_fraction: float = 0.5  # prompts this much in the store already skip the prefill leg
+    pd_overlap: bool = True  # send the decode leg with the prefill leg (it waits in the store for the KV)
     api_key: str | None = None
     kvstore_auth_token: str | None = None  # for the router's prefix lookups and tail drops
     max_inflight_per_worker: int = 64
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shorter prompts skip the prefill leg: the decode worker prefills locally")
     p.add_argument("--pd-max-cached-fraction", type=float, default=d["pd_max_cached_fraction"].default,
                    help="prompts whose prefix is at least this fraction in the KV store skip the prefill leg")
+    p.add_argument("--pd-overlap", action=argparse.BooleanOptionalAction, default=d["pd_overlap"].default,
+                   help="send the decode leg at the same time as the prefill leg (its KV load waits in the "
+                        "store for the prefill's upload); --no-pd-overlap sends it after the prefill answers")
     p.add_argument("--api-key", default=None, help="Bearer key clients must send; also sent to workers")
     add_client_token_flag(p, "for prefix lookups and tail drops")
     p.add_argument("--max-inflight-per-worker", type=int, default=d["max_inflight_per_worker"].default)
@@ -130,6 +134,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             decode_policy=a.decode_policy,
             pd_min_prompt_tokens=a.pd_min_prompt_tokens,
             pd_max_cached_fraction=a.pd_max_cached_fraction,
+            pd_overlap=a.pd_overlap,
             api_key=a.api_key,
             kvstore_auth_token=a.kvstore_auth_token,
             max_inflight_per_worker=a.max_inflight_per_worker,

@@ -24,6 +24,14 @@ afterwards bytes pass through untouched. The one token the prefill leg generated
 never shown: decode regenerates it from the transferred KV, so nothing is lost or
 duplicated at the seam.
 
+With `--pd-overlap` (the default) the decode leg does not wait for the prefill's answer:
+once a prefill worker is chosen whose store is known (from an earlier answer), both legs
+go out together under one handoff id. The decode worker's connector holds the request
+until the producer's upload has landed in that store (see kvstore/handoff.py), so the
+decode leg's ingest and scheduling overlap the prefill. If the prefill fails, or wrote to
+another store than announced, the waiting decode leg is dropped (which aborts it) and a
+new one goes out as in the sequential flow.
+
 Whatever ends a request early (client gone, decode failed) frees the prefill's store
 tail, so no KV is left behind waiting for a decode that will not come.
 """
@@ -33,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Literal, TypeVar
 
@@ -41,10 +50,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from pdserve.kvstore.handoff import HANDOFF_KEY, HANDOFF_WAIT_KEY
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import RouterError
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import Lease, Policy, Pool, RouteContext
+from pdserve.router.pool import Lease, Policy, Pool, RouteContext, Worker
 from pdserve.router.store import StoreView
 from pdserve.router.tokens import PromptTokens
 from pdserve.router.upstream import UPSTREAM_ERRORS, describe
@@ -151,14 +161,36 @@ def _has_token(route: Route, buf: bytes) -> bool:
     return False
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body: the client's, cut to one unstreamed token that keeps its KV for decode."""
+def prefill_body(body: dict[str, Any], handoff: str | None = None) -> dict[str, Any]:
+    """The prefill leg's body: the client's, cut to one unstreamed token that keeps its KV for decode;
+    with `handoff`, the producer names its upload after it (an overlapped decode leg waits for that)."""
     sent = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     sent["max_tokens"] = 1
     sent["stream"] = False
     sent["return_token_ids"] = True  # the decode leg reuses these ids instead of re-rendering
-    sent["kv_transfer_params"] = {"do_remote_decode": True}
+    sent["kv_transfer_params"] = {"do_remote_decode": True, **({HANDOFF_KEY: handoff} if handoff else {})}
     return sent
+
+
+def overlap_params(handoff: str, store: tuple[str, str | None], wait_s: float) -> dict[str, Any]:
+    """An overlapped decode leg's kv_transfer_params: wait in `store` (URL, id) for handoff `handoff`, as
+    long as the prefill may take (`wait_s`: the router drops the leg sooner if the prefill fails)."""
+    url, store_id = store
+    return {"pdserve": 1, HANDOFF_KEY: handoff, "kvstore_url": url, "kvstore_id": store_id, HANDOFF_WAIT_KEY: wait_s}
+
+
+def _drop_leg(task: "asyncio.Future[DecodeLeg]") -> None:
+    """Give up an overlapped decode leg: cancel it, or close it if it already has its headers
+    (closing the connection makes vLLM abort the request, which ends its wait in the store)."""
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(_drop_leg)  # in case it completes despite the cancel
+        return
+    if task.cancelled() or task.exception() is not None:
+        return
+    leg = task.result()
+    leg.lease.abandon()
+    leg.resp.close()
 
 
 def _prompt_ids(data: dict[str, Any]) -> list[int] | None:
@@ -238,17 +270,53 @@ class PDFlow:
 
     async def _serve(self, call: Call) -> Response:
         path, ctx = await self._plan(call)
+        if path == "pd" and self.cfg.pd_overlap:
+            return await self._serve_overlapped(call, ctx)
         t_prefill_done: float | None = None
         payload = call.raw
         if path == "pd":
             data = await self._prefill(call, ctx)
-            if data is None:
-                path = "decode_only_prefill_failed"
-            else:
-                t_prefill_done = time.perf_counter()
-                payload = self._decode_payload(call, data)
+            path, payload, t_prefill_done = self._after_prefill(call, data)
         self.metrics.paths.labels(path).inc()
-        leg = await self._open_decode(call, payload, ctx, set(), t_prefill_done)
+        return await self._respond(call, await self._open_decode(call, payload, ctx, set(), t_prefill_done))
+
+    def _after_prefill(self, call: Call, data: dict[str, Any] | None) -> tuple[str, bytes, float | None]:
+        """(path, decode payload, when the prefill answered) once the prefill leg has ended."""
+        if data is None:
+            return "decode_only_prefill_failed", call.raw, None
+        return "pd", self._decode_payload(call, data), time.perf_counter()
+
+    async def _serve_overlapped(self, call: Call, ctx: RouteContext) -> Response:
+        """Both legs at once, when the chosen prefill worker's store is known; else in sequence."""
+        handoff = uuid.uuid4().hex
+        chosen: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
+        prefill = asyncio.ensure_future(self._prefill(call, ctx, handoff, chosen))
+        decode: asyncio.Future[DecodeLeg] | None = None
+        try:
+            await asyncio.wait((prefill, chosen), return_when=asyncio.FIRST_COMPLETED)
+            store = chosen.result().produces_to if chosen.done() else None
+            if store is not None:
+                payload = msgspec.json.encode({**call.body, "kv_transfer_params": overlap_params(handoff, store, self.cfg.prefill_timeout)})
+                decode = asyncio.ensure_future(self._open_decode(call, payload, ctx, set(), None))
+            data = await prefill
+            params = (data or {}).get("kv_transfer_params") or {}
+            if decode is not None and data is not None and (params.get("kvstore_url"), params.get("kvstore_id")) == store:
+                path, leg = "pd_overlap", await decode
+                leg.t_prefill_done = time.perf_counter()
+            else:  # no overlap after all: the prefill failed or wrote elsewhere
+                if decode is not None:
+                    _drop_leg(decode)
+                path, payload, t_prefill_done = self._after_prefill(call, data)
+                leg = await self._open_decode(call, payload, ctx, set(), t_prefill_done)
+        except BaseException:
+            prefill.cancel()
+            if decode is not None:
+                _drop_leg(decode)
+            raise
+        self.metrics.paths.labels(path).inc()
+        return await self._respond(call, leg)
+
+    async def _respond(self, call: Call, leg: DecodeLeg) -> Response:
         if leg.resp.status != 200 or not call.stream:
             return await self._unary(call, leg)
         return StreamingResponse(
@@ -281,9 +349,12 @@ class PDFlow:
 
     # ------------------------------------------------------------ prefill leg
 
-    async def _prefill(self, call: Call, ctx: RouteContext) -> dict[str, Any] | None:
-        """The prefill response, or None when no prefill worker could serve it (then decode prefills)."""
-        payload = msgspec.json.encode(prefill_body(call.body))
+    async def _prefill(
+        self, call: Call, ctx: RouteContext, handoff: str | None = None, chosen: "asyncio.Future[Worker] | None" = None
+    ) -> dict[str, Any] | None:
+        """The prefill response, or None when no prefill worker could serve it (then decode prefills).
+        `chosen` learns the first worker picked (an overlapped decode leg waits in its store)."""
+        payload = msgspec.json.encode(prefill_body(call.body, handoff))
         headers = {**self.headers, "X-Request-Id": call.request_id}
         tried: set[str] = set()
         error_replies = 0
@@ -295,6 +366,8 @@ class PDFlow:
                     return None
                 raise
             tried.add(lease.worker.id)
+            if chosen is not None and not chosen.done():
+                chosen.set_result(lease.worker)
             with lease:
                 t = time.perf_counter()
                 call.t_first_call = call.t_first_call or t
@@ -325,6 +398,9 @@ class PDFlow:
                 store_url = self.store.learn(params)
                 if store_url and lease.worker.kvstore_url is None:
                     lease.worker.kvstore_url = store_url
+                if store_url:
+                    store_id = params.get("kvstore_id")
+                    lease.worker.produces_to = (store_url, store_id if isinstance(store_id, str) else None)
             return data
 
     def _decode_payload(self, call: Call, prefill: dict[str, Any]) -> bytes:
@@ -475,7 +551,7 @@ class PDFlow:
         own = (call.t_first_call or leg.t_sent) - call.t0 + relay_s
         if leg.t_prefill_done is not None:
             self.metrics.handoff.observe(now - leg.t_prefill_done)
-            own += leg.t_sent - leg.t_prefill_done
+            own += max(0.0, leg.t_sent - leg.t_prefill_done)  # an overlapped leg went out before
         self.metrics.overhead.observe(own)
 
     # ------------------------------------------------------------ cleanup

@@ -45,6 +45,8 @@ class Worker:
     url: str
     source: Source
     kvstore_url: str | None = None
+    # (advertised URL, id) of the store its last prefill wrote to: where an overlapped decode waits
+    produces_to: tuple[str, str | None] | None = None
     reported_load: int = 0  # running + waiting, from the worker's Redis heartbeat
     model_cards: list[dict[str, Any]] | None = None  # its /v1/models entries, once fetched
     inflight: int = 0

@@ -76,3 +76,21 @@ def test_a_load_that_breaks_is_reported_failed_not_lost() -> None:
             io.close()
     finally:
         store.stop()
+
+
+def test_staging_pool_reuses_buffers_across_loads_and_stays_bounded() -> None:
+    """Loads on any thread reuse one staging buffer (pinning a new one is slow on a GPU host);
+    a larger load replaces a smaller free buffer instead of growing the pool."""
+    from pdserve.kvstore.connector_worker import StagingPool
+
+    pool = StagingPool(pinned=False)
+    a = pool.take(100)
+    pool.give(a)
+    assert pool.take(80) is a  # reused, not reallocated
+    b = pool.take(50)  # a is in use: a second buffer
+    pool.give(a)
+    pool.give(b)
+    big = pool.take(1000)  # nothing fits: the smallest free buffer makes room for a new one
+    assert big.numel() >= 1000 and big is not a and big is not b
+    pool.give(big)
+    assert sorted(buf.numel() for buf in pool._free) == [100, 1000]

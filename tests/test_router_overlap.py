@@ -1,0 +1,188 @@
+"""Overlapped legs through real engines: the decode leg goes out with the prefill leg and waits in
+the store for the producer's upload.
+
+The router learns a prefill worker's store from its first answer, so each router's first
+P/D request runs its legs in sequence and the ones after it overlap. A throwaway prefill
+engine of this module is stopped (SIGSTOP) to hold a decode leg in its wait, then the client
+hangs up or the engine is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Iterator
+
+import httpx
+import pytest
+
+pytest.register_assert_rewrite("router_fixtures")
+from procs import Proc
+from router_fixtures import API_KEY, Stack, long_prompt, metric, pd_router, raw_post, start_engine, start_router, wait_until
+
+pytest_plugins = ("router_fixtures",)
+pytestmark = pytest.mark.engine
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def complete(base: str, model: str, prompt: str | list[int], max_tokens: int = 8) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    r = httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def stream_text(base: str, model: str, prompt: str | list[int], max_tokens: int = 8) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+    text = ""
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=AUTH, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += httpx.Response(200, content=line[6:]).json()["choices"][0]["text"]
+    return text
+
+
+def read_response(sock) -> tuple[bytes, bytes]:
+    """(status line and headers, body) of one HTTP/1.1 response with a Content-Length."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed after {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-body"
+        body += chunk
+    sock.close()
+    return head, body
+
+
+def overlapped(router: Proc) -> float:
+    return metric(router.url, "pdserve_router_paths_total", {"path": "pd_overlap"})
+
+
+def waiting(url: str) -> float:
+    return metric(url, "vllm:num_requests_waiting")
+
+
+def loads(url: str) -> tuple[float, float]:
+    return metric(url, "vllm:pdserve_loads_total"), metric(url, "vllm:pdserve_failed_loads_total")
+
+
+def test_overlapped_legs_equal_a_recomputing_engine(pd_stack: Stack) -> None:
+    """Text prompts and token prompts with a tail and chunk-aligned (the store's chunk is 256
+    tokens), streamed and not: each equals the prefill engine's own answer (a kv_producer never
+    loads, so it recomputes), and the decode engine loaded each. Every prompt is new to the store:
+    a stored one would be served decode-only."""
+    router = pd_router(pd_stack, "--health-interval", "600")  # a loaded machine can miss health checks
+    try:
+        complete(router.url, pd_stack.model, long_prompt(40, seed=30))  # teaches the router its store
+        assert overlapped(router) == 0
+        loads_before = loads(pd_stack.decode.url)
+        for i, send in enumerate((complete, stream_text)):
+            prompts: list[str | list[int]] = [long_prompt(120, seed=31 + i), [(t * 37 + i) % 900 + 5 for t in range(512)],
+                                              [(t * 11 + i) % 700 + 5 for t in range(301)]]
+            for prompt in prompts:
+                got = send(router.url, pd_stack.model, prompt)
+                assert got == complete(pd_stack.prefill.url, pd_stack.model, prompt)
+        assert overlapped(router) == 6
+        # vLLM ships the connector's counters to /metrics on its logging interval
+        wait_until(lambda: loads(pd_stack.decode.url)[0] - loads_before[0] >= 6, what="six loads counted")
+        done, failed = (a - b for a, b in zip(loads(pd_stack.decode.url), loads_before))
+        assert done == 6 and failed == 0
+    finally:
+        router.stop()
+
+
+def test_the_same_prompt_twice_at_once(pd_stack: Stack) -> None:
+    """Two requests with one prompt get two handoffs: each loads its own, both answers are right.
+    (Whichever plans second may find the first's chunks stored: only a whole prompt stored skips P/D.)"""
+    router = pd_router(pd_stack, "--pd-max-cached-fraction", "1.0", "--health-interval", "600")
+    try:
+        complete(router.url, pd_stack.model, long_prompt(40, seed=32))
+        prompt = long_prompt(150, seed=33)
+        got: list[str] = []
+        threads = [threading.Thread(target=lambda: got.append(complete(router.url, pd_stack.model, prompt)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        expected = complete(pd_stack.prefill.url, pd_stack.model, prompt)
+        assert got == [expected, expected]
+        assert overlapped(router) == 2
+    finally:
+        router.stop()
+
+
+class HeldPrefill:
+    """A prefill engine of this module that can be stopped mid-request, and a router over it."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.engine = start_engine(stack.model, "kv_producer", stack.kvstore.url)  # type: ignore[arg-type]
+        self.router = start_router("--prefill", self.engine.url, "--decode", stack.decode.url,
+                                   "--api-key", API_KEY, "--pd-min-prompt-tokens", "0", "--health-interval", "600")
+
+    def signal(self, sig: signal.Signals) -> None:
+        os.killpg(self.engine.pid, sig)
+
+    def stop(self) -> None:
+        self.router.stop()
+        if self.engine.alive():
+            self.signal(signal.SIGCONT)
+        self.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def held(pd_stack: Stack) -> Iterator[HeldPrefill]:
+    h = HeldPrefill(pd_stack)
+    try:
+        complete(h.router.url, pd_stack.model, long_prompt(40, seed=34))  # the router learns its store
+        yield h
+    finally:
+        h.stop()
+
+
+def _hold_a_decode_leg(stack: Stack, held: HeldPrefill, seed: int):
+    """Stop the prefill engine, send a request: its decode leg waits in the decode engine."""
+    held.signal(signal.SIGSTOP)
+    waiting_before = waiting(stack.decode.url)
+    sock = raw_post(held.router.url, "/v1/completions", {
+        "model": stack.model, "prompt": long_prompt(100, seed=seed), "max_tokens": 6, "temperature": 0.0,
+    }, API_KEY)
+    wait_until(lambda: waiting(stack.decode.url) == waiting_before + 1, what="the decode leg held in the engine")
+    return sock, waiting_before
+
+
+def test_client_gone_while_the_decode_leg_waits(pd_stack: Stack, held: HeldPrefill) -> None:
+    sock, waiting_before = _hold_a_decode_leg(pd_stack, held, seed=35)
+    aborted = metric(pd_stack.decode.url, "vllm:request_success_total", {"finished_reason": "abort"})
+    sock.close()
+    # The router drops the decode leg at once; the engine aborts it (no wait for handoff_wait_s).
+    wait_until(lambda: waiting(pd_stack.decode.url) == waiting_before, what="the held decode leg aborted")
+    held.signal(signal.SIGCONT)
+    wait_until(lambda: metric(held.router.url, "pdserve_router_requests_total", {"status": "499"}) == 1,
+               what="the router to count the client's hang-up")
+    assert metric(pd_stack.decode.url, "vllm:request_success_total", {"finished_reason": "abort"}) >= aborted
+    # The stack still serves, overlapped.
+    prompt = long_prompt(90, seed=36)
+    overlapped_before = overlapped(held.router)
+    assert complete(held.router.url, pd_stack.model, prompt) == complete(pd_stack.prefill.url, pd_stack.model, prompt)
+    assert overlapped(held.router) == overlapped_before + 1
+
+
+def test_prefill_killed_while_the_decode_leg_waits(pd_stack: Stack, held: HeldPrefill) -> None:
+    sock, waiting_before = _hold_a_decode_leg(pd_stack, held, seed=37)
+    held.signal(signal.SIGKILL)
+    head, body = read_response(sock)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    expected = complete(pd_stack.prefill.url, pd_stack.model, long_prompt(100, seed=37), max_tokens=6)
+    assert httpx.Response(200, content=body).json()["choices"][0]["text"] == expected
+    # The overlapped leg was dropped for a decode-only one, not waited out.
+    assert metric(held.router.url, "pdserve_router_paths_total", {"path": "decode_only_prefill_failed"}) == 1
+    wait_until(lambda: waiting(pd_stack.decode.url) == waiting_before, what="no decode leg left waiting")
