@@ -35,11 +35,11 @@ from typing import Iterator, Sequence
 
 import httpx
 
-from pdserve.deploy.cli import split_passthrough
+from pdserve.worker.config import split_passthrough
 from pdserve.deploy.ports import free_port
 from pdserve.deploy.tiny_model import CONFIGS
 from pdserve.deploy.tiny_model import main as tiny_main
-from pdserve.kvstore.engine_counters import describe_load_phases, load_phase_means, read_counters
+from pdserve.bench.engine_counters import describe_load_phases, load_phase_means, read_counters
 
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "HF_HUB_OFFLINE": "1"}
 

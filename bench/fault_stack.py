@@ -25,10 +25,10 @@ from typing import Callable, Protocol
 
 import httpx
 
-from pdserve.deploy.children import spawn
+from pdserve.worker.children import spawn
 from pdserve.deploy.local import LocalStack, StackConfig, parse_up_args
 from pdserve.deploy.ports import _bindable, free_port
-from pdserve.kvstore.client import KVStoreClient
+from pdserve.kvstore.client.client import KVStoreClient
 
 # Short enough that a leaked tail shows within one scenario, long enough for any handoff here.
 TAIL_TTL_S = 5.0

@@ -1,6 +1,6 @@
 """`pdserve bench faults`: break the stack under load, count what clients got, check nothing leaked.
 
-One stack (deploy/fault_stack.py: store, 1 prefill + 2 decode workers through Redis,
+One stack (bench/fault_stack.py: store, 1 prefill + 2 decode workers through Redis,
 router) serves a small concurrent load (a few client streams of mixed short and long
 prompts, chat and completions, streamed and not) while each scenario in turn does one
 thing to it: kill -9 of a prefill engine, of a decode engine, of the KV store, of
@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from pdserve.deploy.fault_stack import TAIL_TTL_S, FaultStack
+from pdserve.bench.fault_stack import TAIL_TTL_S, FaultStack
 
 HANG_S = 300.0  # per request: only a request that really hangs gets near it
 RECOVERY_S = 900.0  # a restarted vLLM takes 35-170 s to start on 2 shared cores

@@ -12,7 +12,7 @@ received straight into place (recv_into). They are the ceilings of a TCP path on
 machine the bench runs on, through ZMQ and through any socket, so the store's TCP
 figures can be read against them.
 Each figure is the best of --repeat runs, since the machine may be shared. The
-bench process tunes its malloc as the server does (pdserve.kvstore.malloc): without
+bench process tunes its malloc as the server does (pdserve.kvstore.client.malloc): without
 it, TCP loads of large objects pay a page fault per page of every received message.
 """
 
@@ -32,8 +32,8 @@ import numpy as np
 import zmq
 
 from pdserve.deploy.ports import free_port
-from pdserve.kvstore.client import KVStoreClient, KVStoreError
-from pdserve.kvstore.malloc import keep_large_buffers
+from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.client.malloc import keep_large_buffers
 
 MIB = 1 << 20
 
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 @contextmanager
 def _local_server(l1_gb: float) -> Iterator[str]:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve.kvstore.server", "--port", str(port), "--http-port", "0",
+    argv = [sys.executable, "-m", "pdserve.kvstore.server.main", "--port", str(port), "--http-port", "0",
             "--l1-size-gb", f"{l1_gb:.3f}", "--log-level", "WARNING"]
     proc = subprocess.Popen(argv)
     url = f"tcp://127.0.0.1:{port}"
@@ -212,7 +212,7 @@ def socket_ceiling(dst: list[np.ndarray], repeat: int) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if keep_large_buffers():
-        print("client malloc tuned as the server's (see pdserve.kvstore.malloc)", file=sys.stderr)
+        print("client malloc tuned as the server's (see pdserve.kvstore.client.malloc)", file=sys.stderr)
     total = args.total_mib * MIB
     rows: list[tuple[str, str, float, float]] = []
     with _local_server(l1_gb=(2.5 * total + 64 * MIB) / 2**30) if args.url is None else _nullctx(args.url) as url:

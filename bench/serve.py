@@ -36,9 +36,9 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from pdserve.deploy.cli import split_passthrough
+from pdserve.worker.config import split_passthrough
 from pdserve.deploy.ports import free_port
-from pdserve.kvstore.engine_counters import describe_load_phases, load_phase_means, read_counters
+from pdserve.bench.engine_counters import describe_load_phases, load_phase_means, read_counters
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -497,7 +497,8 @@ def second_router(stack: Any, *flags: str) -> Iterator[str]:
 
 def compare_stacks(cfg: BenchConfig) -> list[Run]:
     """P/D stack, then a colocated engine (through the router and direct), one after the other."""
-    from pdserve.deploy.local import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS, LocalStack, StackConfig, tiny_model_dir
+    from pdserve.deploy.local import LocalStack, StackConfig
+    from pdserve.deploy.tiny_model import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS, tiny_model_dir
 
     if cfg.model:
         model, served, vllm_args, env = cfg.model, cfg.model, cfg.vllm_args, {}

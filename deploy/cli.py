@@ -14,17 +14,17 @@ from typing import Callable, Sequence
 
 # command path (words) -> (module, one-line help)
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("kvstore",): ("pdserve.kvstore.server", "run the KV store server"),
+    ("kvstore",): ("pdserve.kvstore.server.main", "run the KV store server"),
     ("router",): ("pdserve.router.app", "run the OpenAI-compatible P/D router"),
     ("prefill",): ("pdserve.prefill_worker.main", "run a prefill worker (vLLM, kv_producer)"),
     ("decode",): ("pdserve.decode_worker.main", "run a decode worker (vLLM, kv_both)"),
     ("up",): ("pdserve.deploy.local", "run the whole stack locally (kvstore, workers, router)"),
     ("model", "tiny"): ("pdserve.deploy.tiny_model", "write a tiny random-weight model (config + tokenizer)"),
-    ("bench", "kvstore"): ("pdserve.kvstore.bench", "benchmark store/load throughput against memcpy"),
-    ("bench", "connector"): ("pdserve.kvstore.bench_connector", "benchmark TTFT: recompute vs store vs ExampleConnector"),
-    ("bench", "kernels"): ("pdserve.kernels.bench", "benchmark paged gather/scatter and fp8_ds_mla codecs on a GPU"),
-    ("bench", "serve"): ("pdserve.router.bench_serve", "benchmark an OpenAI endpoint (TTFT, TPOT, ITL)"),
-    ("bench", "faults"): ("pdserve.deploy.bench_faults", "break a local stack under load; soak it (RSS, TTFT)"),
+    ("bench", "kvstore"): ("pdserve.bench.kvstore_throughput", "benchmark store/load throughput against memcpy"),
+    ("bench", "connector"): ("pdserve.bench.connector_ttft", "benchmark TTFT: recompute vs store vs ExampleConnector"),
+    ("bench", "kernels"): ("pdserve.bench.kernels", "benchmark paged gather/scatter and fp8_ds_mla codecs on a GPU"),
+    ("bench", "serve"): ("pdserve.bench.serve", "benchmark an OpenAI endpoint (TTFT, TPOT, ITL)"),
+    ("bench", "faults"): ("pdserve.bench.faults", "break a local stack under load; soak it (RSS, TTFT)"),
     ("ray",): ("pdserve.deploy.ray_cli", "status and teardown of a pdserve stack on Ray"),
 }
 
@@ -36,15 +36,6 @@ def resolve(argv: Sequence[str]) -> tuple[str, list[str]] | None:
         if key in COMMANDS:
             return COMMANDS[key][0], list(argv[length:])
     return None
-
-
-def split_passthrough(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Split `ours -- theirs`: everything after the first `--` goes to vLLM unchanged."""
-    argv = list(argv)
-    if "--" not in argv:
-        return argv, []
-    cut = argv.index("--")
-    return argv[:cut], argv[cut + 1 :]
 
 
 def load_entry(module: str, name: str = "main") -> Callable:

@@ -1,7 +1,7 @@
 """`pdserve up`: the whole P/D stack on this machine, one command, no orphans on exit.
 
 Starts the KV store, N prefill and M decode workers and the router as child process
-groups (see deploy/children.py), shows which of them are still starting (engines take
+groups (see pdserve/worker/children.py), shows which of them are still starting (engines take
 about a minute on a CPU), waits until the router sees every worker healthy, prints
 the URL and a curl line, sends one chat request and prints its reply and TTFT, then
 serves until Ctrl-C or SIGTERM, which stops the router first, then the workers (they
@@ -9,8 +9,8 @@ drain), then the store. `LocalStack` is also what `pdserve bench serve --compare
 uses to bring up its P/D and colocated stacks.
 
 While serving, a child that exits is restarted in place (same ports) with backoff and
-a cap (deploy/children.py: Supervised); a worker restarts its own engine the same way
-(deploy/worker.py) and only exits when it gave up, which is final here. Every few
+a cap (pdserve/worker/children.py: Supervised); a worker restarts its own engine the same way
+(pdserve/worker/supervisor.py) and only exits when it gave up, which is final here. Every few
 seconds `up` checks each child's health and prints which ones are down, so one dead
 engine costs its own capacity, not the stack. It stops by itself only when nothing can
 serve any more: the router or every decode worker is down for good.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -38,41 +37,16 @@ from typing import Callable, Sequence
 import httpx
 from tqdm import tqdm
 
-from pdserve.deploy.cli import split_passthrough
-from pdserve.deploy.children import Backoff, StopFlag, Supervised, open_log, signal_group, spawn
-from pdserve.deploy.worker import EXIT_GAVE_UP
-from pdserve.kvstore.vllm_release import installed_version, unsupported_reason
+from pdserve.worker.config import split_passthrough
+from pdserve.deploy.tiny_model import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS, tiny_model_dir
+from pdserve.worker.children import QUIET_ENV, Backoff, StopFlag, Supervised, open_log, signal_group, spawn
+from pdserve.worker.supervisor import EXIT_GAVE_UP
+from pdserve.kvstore.connector.vllm_release import installed_version, unsupported_reason
 
-TINY_ARCH = "deepseek_v3"
-TINY_SERVED_NAME = "tiny-deepseek-v3"
-# Engine settings for the tiny model on a small CPU machine: random weights, short
-# context, no graph capture, an explicit 256 MiB KV cache (vLLM's CPU default takes
-# most of the RAM) and one unpinned OpenMP thread per engine, so a prefill and a
-# decode engine do not fight over the same core.
-TINY_VLLM_ARGS: tuple[str, ...] = (
-    "--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", "8",
-    "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
-)
-TINY_ENGINE_ENV: dict[str, str] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-QUIET_ENV: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
 DEMO_PROMPT = "Say hello to the prefill/decode stack."
 # How often `up` looks for exited children, and how often it asks each one's health.
 TICK_S = 0.5
 HEALTH_EVERY_S = 5.0
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
-
-
-def tiny_model_dir() -> Path:
-    """The tiny DeepSeek-V3 folder, generated on first use."""
-    out = cache_dir() / "models" / f"tiny-{TINY_ARCH}"
-    if not (out / "config.json").exists():
-        from pdserve.deploy.tiny_model import write_tiny_model
-
-        write_tiny_model(TINY_ARCH, out)
-    return out
 
 
 @dataclass(frozen=True)

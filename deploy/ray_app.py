@@ -12,7 +12,7 @@ its URL and exits. Every actor and placement group is named and detached, so the
 outlives the job; `pdserve ray status` shows it and `pdserve ray down` removes it.
 
 Each actor runs its service exactly as a user would (`pdserve kvstore|prefill|decode|
-router ...`, the worker supervisor of deploy/worker.py included) as a child process
+router ...`, the worker supervisor of pdserve/worker/supervisor.py included) as a child process
 group that dies with the actor. A service that crashes after it was ready takes its
 actor down with it, and Ray restarts the actor (`max_restarts`).
 """
@@ -38,7 +38,7 @@ from ray.util.placement_group import PlacementGroup, get_placement_group, placem
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from pdserve.deploy.children import open_log, spawn, stop_group
+from pdserve.worker.children import open_log, spawn, stop_group
 from pdserve.deploy.ray_config import (
     NODE_IP, TINY_MODEL, ClusterConfig, ConfigError, ServiceSpec, kvstore_spec, load_config,
     router_spec, worker_specs,
@@ -63,7 +63,7 @@ def log_dir(namespace: str) -> Path:
 
 def _tiny_model_on_this_node() -> str:
     """The tiny model folder, generated once per node even when several actors ask at once."""
-    from pdserve.deploy.local import cache_dir, tiny_model_dir
+    from pdserve.deploy.tiny_model import cache_dir, tiny_model_dir
 
     lock_path = cache_dir() / "tiny-model.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)

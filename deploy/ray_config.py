@@ -25,8 +25,9 @@ from typing import Any, Literal, Mapping, Union, get_args, get_origin, get_type_
 
 import yaml
 
-from pdserve.deploy.local import QUIET_ENV, TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS
-from pdserve.kvstore.config import TOKEN_ENV
+from pdserve.deploy.tiny_model import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS
+from pdserve.worker.children import QUIET_ENV
+from pdserve.kvstore.client.auth import TOKEN_ENV
 
 WorkerRole = Literal["prefill", "decode"]
 ServiceKind = Literal["kvstore", "prefill", "decode", "router"]

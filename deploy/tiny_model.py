@@ -5,6 +5,10 @@ which is how every engine test runs on a 2-core CPU. The tokenizer is trained of
 (byte-level BPE on a built-in corpus) so nothing is downloaded, and its vocabulary is
 exactly the config's `vocab_size`: random weights emit any id below vocab_size, and
 each one must decode. The configs are embedded here so the command works anywhere.
+
+The engine settings that serve it on a small CPU machine (`TINY_VLLM_ARGS`, `TINY_ENGINE_ENV`)
+and the folder `pdserve up` generates it into (`tiny_model_dir`) live here too, so `pdserve up`,
+the Ray config and the compose test read one definition.
 """
 
 from __future__ import annotations
@@ -13,10 +17,23 @@ import argparse
 import copy
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
+
+TINY_ARCH = "deepseek_v3"
+TINY_SERVED_NAME = "tiny-deepseek-v3"
+# Engine settings for the tiny model on a small CPU machine: random weights, short
+# context, no graph capture, an explicit 256 MiB KV cache (vLLM's CPU default takes
+# most of the RAM) and one unpinned OpenMP thread per engine, so a prefill and a
+# decode engine do not fight over the same core.
+TINY_VLLM_ARGS: tuple[str, ...] = (
+    "--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", "8",
+    "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
+)
+TINY_ENGINE_ENV: dict[str, str] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 # Tiny DeepSeek-V3: MLA (512 latent + 64 rope = 576-wide KV), MoE with 8 routed experts.
 # DeepSeek's own head dims (qk_nope 128, rope 64, v 128): sm90's MLA prefill kernels take only
@@ -289,3 +306,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_tiny_model(args.arch, args.out)
     print(args.out)
     return 0
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
+
+
+def tiny_model_dir() -> Path:
+    """The tiny DeepSeek-V3 folder, generated on first use."""
+    out = cache_dir() / "models" / f"tiny-{TINY_ARCH}"
+    if not (out / "config.json").exists():
+        write_tiny_model(TINY_ARCH, out)
+    return out

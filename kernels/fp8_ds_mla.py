@@ -1,7 +1,9 @@
 """Codecs for DeepSeek's `fp8_ds_mla` KV rows: Triton kernels with pure-torch references.
 
-The connector stores KV in whatever layout the engine's cache uses; these codecs let it (and its
-tests) turn bf16 latents into those bytes and back, e.g. to re-quantize or to check a transfer.
+The connector stores KV in whatever layout the engine's cache uses and moves fp8_ds_mla pages
+byte for byte, so it calls none of this. These codecs are a verified library for engines and
+tools: they turn bf16 latents into those bytes and back, e.g. to re-quantize, to read what a
+cache holds or to check a transfer, with the same bits as vLLM's own writers and decoders.
 
 **V3.2 rows (656 bytes a token)**, as documented in the installed vLLM,
 `vllm/v1/attention/backends/mla/flashmla_sparse.py` (module docstring "FlashMLA Sparse uses an fp8

@@ -23,15 +23,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.router.config import RouterConfig, build_parser, config_from_args
 from pdserve.router.connections import CloseUnreadBodies, head_deadline_protocol
-from pdserve.router.discovery import MembershipWatcher, WorkerRecord
+from pdserve.router.membership import MembershipWatcher
+from pdserve.worker.registration import WorkerRecord
 from pdserve.router.errors import RouterError
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pd_flow import Call, PDFlow, Route
+from pdserve.router.flow.call import Call
+from pdserve.router.flow.pd_flow import PDFlow
 from pdserve.router.policies import make_policy
 from pdserve.router.pool import Pool
-from pdserve.router.requests import read_body, validate
-from pdserve.router.store import StoreView
+from pdserve.router.requests import Route, read_body, validate
+from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 from pdserve.router.upstream import new_session
 

@@ -12,7 +12,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal, Sequence, get_args
 
-from pdserve.kvstore.config import add_client_token_flag
+from pdserve.kvstore.client.auth import add_client_token_flag
 
 PolicyName = Literal["least-loaded", "round-robin", "prefix-aware"]
 POLICIES: tuple[str, ...] = get_args(PolicyName)

@@ -16,7 +16,7 @@ import aiohttp
 import msgspec
 
 from pdserve.router.pool import Pool, Worker
-from pdserve.router.upstream import UPSTREAM_ERRORS, describe
+from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
 
 log = logging.getLogger("pdserve.router.health")
 
@@ -43,7 +43,7 @@ class HealthChecker:
                     if models.status == 200:
                         w.model_cards = list(msgspec.json.decode(await models.read()).get("data") or [])
             return True
-        except (*UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as exc:
+        except SIDE_REQUEST_ERRORS as exc:
             log.debug("health check of %s failed: %s", w.url, describe(exc))
             return False
 

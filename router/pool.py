@@ -8,7 +8,7 @@ requests waiting for a slot; beyond that the caller gets 429 with Retry-After
 instead of an unbounded wait.
 
 A worker takes requests only while it is healthy and its circuit breaker is
-closed. A lease ends with a verdict on the worker's transport (breaker.py says
+closed. A slot ends with a verdict on the worker's transport (breaker.py says
 which failures count): a refused or reset connection marks the worker unhealthy at
 once (the next passing health check brings it back), and `breaker_failures`
 transport failures in a row open its breaker for `breaker_cooldown` seconds. An
@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Literal, Protocol, Sequence
 
 from pdserve.router.breaker import Breaker
 from pdserve.router.config import RouterConfig
-from pdserve.router.discovery import Role, WorkerRecord
+from pdserve.worker.registration import Role, WorkerRecord
 from pdserve.router.errors import RouterError, no_worker, overloaded
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.upstream import is_hard_failure
@@ -33,7 +33,7 @@ from pdserve.router.upstream import is_hard_failure
 log = logging.getLogger("pdserve.router.pool")
 
 Source = Literal["static", "redis"]
-# How a lease ended, for the worker's health: it answered over HTTP (any status); its transport failed
+# How a slot ended, for the worker's health: it answered over HTTP (any status); its transport failed
 # (unreachable: refused, reset or cut off); or no verdict (the client left, or the router gave up first).
 Verdict = Literal["answered", "failed", "unreachable", "abandoned"]
 
@@ -84,7 +84,7 @@ class Policy(Protocol):
     def choose(self, workers: Sequence[Worker], ctx: RouteContext) -> Worker: ...
 
 
-class Lease:
+class WorkerSlot:
     """A slot held on one worker; the first of answered/failed/abandon releases it, later calls do nothing."""
 
     def __init__(self, pool: "Pool", worker: Worker, tokens: int) -> None:
@@ -110,7 +110,7 @@ class Lease:
             self._released = True
             self.pool._release(self, verdict)
 
-    def __enter__(self) -> "Lease":
+    def __enter__(self) -> "WorkerSlot":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -145,8 +145,8 @@ class Pool:
     def sync_redis(self, records: Iterable[WorkerRecord]) -> list[Worker]:
         """Make this pool's Redis-sourced workers equal `records`; returns the workers that are new."""
         wanted = {r.id: r for r in records if r.role == self.role}
-        for wid, w in list(self.workers.items()):
-            if w.source == "redis" and wid not in wanted:
+        for wid, known in list(self.workers.items()):
+            if known.source == "redis" and wid not in wanted:
                 self._remove(wid)
         new: list[Worker] = []
         for wid, rec in wanted.items():
@@ -163,7 +163,7 @@ class Pool:
 
     def _remove(self, wid: str) -> None:
         w = self.workers.pop(wid)
-        w.healthy = False  # in-flight leases of a departed worker must not bring it back
+        w.healthy = False  # in-flight slots of a departed worker must not bring it back
         self.metrics.forget_worker(self.role, wid)
         log.info("%s worker removed: %s", self.role, wid)
         self._wake()
@@ -221,7 +221,7 @@ class Pool:
                 cards.setdefault(str(card.get("id")), card)
         return list(cards.values())
 
-    async def acquire(self, policy: Policy, ctx: RouteContext, exclude: Iterable[str] = ()) -> Lease:
+    async def acquire(self, policy: Policy, ctx: RouteContext, exclude: Iterable[str] = ()) -> WorkerSlot:
         """A slot on the worker `policy` picks; waits in the bounded queue while all are full."""
         exclude = set(exclude)
         loop = asyncio.get_running_loop()
@@ -253,17 +253,17 @@ class Pool:
                 self.waiting -= 1
                 self.metrics.queue_depth.labels(self.role).set(self.waiting)
 
-    def _take(self, w: Worker, tokens: int) -> Lease:
+    def _take(self, w: Worker, tokens: int) -> WorkerSlot:
         w.inflight += 1
         w.inflight_tokens += tokens
         w.served += 1
         self.metrics.inflight.labels(self.role, w.id).set(w.inflight)
-        return Lease(self, w, tokens)
+        return WorkerSlot(self, w, tokens)
 
-    def _release(self, lease: Lease, verdict: Verdict) -> None:
-        w = lease.worker
+    def _release(self, slot: WorkerSlot, verdict: Verdict) -> None:
+        w = slot.worker
         w.inflight -= 1
-        w.inflight_tokens -= lease.tokens
+        w.inflight_tokens -= slot.tokens
         if verdict == "answered":
             w.breaker.succeeded()
         elif verdict in ("failed", "unreachable"):

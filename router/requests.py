@@ -10,12 +10,16 @@ after a wasted prefill; everything else is left to vLLM, whose 400s pass through
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from starlette.requests import Request
 
 from pdserve.router.errors import RouterError
+
+# The two completion APIs the router serves, and where a worker serves each.
+Route = Literal["chat", "completions"]
+PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
 # Deeper bodies are refused: far deeper than any real request (tool schemas included), and far enough
@@ -65,7 +69,7 @@ def _is_prompt(prompt: Any) -> bool:
     return all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt)
 
 
-def validate(route: str, raw: bytes) -> dict[str, Any]:
+def validate(route: Route, raw: bytes) -> dict[str, Any]:
     """The parsed body, or a 400 that names the offending field."""
     try:
         body = msgspec.json.decode(raw)

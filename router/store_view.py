@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pdserve.kvstore.keys import chunk_keys
+from pdserve.kvstore.client.keys import chunk_keys
 
 if TYPE_CHECKING:
-    from pdserve.kvstore.client import AsyncKVStoreClient
+    from pdserve.kvstore.client.client import AsyncKVStoreClient
 
-log = logging.getLogger("pdserve.router.store")
+log = logging.getLogger("pdserve.router.store_view")
 
 STORE_CALL_TIMEOUT_S = 0.5
 
@@ -47,7 +47,7 @@ class StoreView:
         client = self._clients.get(url)
         if client is None:
             # Imported here: a router without P/D traffic never loads the store client (zmq).
-            from pdserve.kvstore.client import AsyncKVStoreClient
+            from pdserve.kvstore.client.client import AsyncKVStoreClient
 
             # Lookups and tail drops carry no payload, so no shared-memory arena is mapped.
             client = self._clients[url] = AsyncKVStoreClient(

@@ -12,6 +12,7 @@ prompt a worker runs is always the one it renders itself.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
@@ -20,11 +21,11 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from pdserve.router.upstream import UPSTREAM_ERRORS, describe
+from pdserve.router.requests import Route
+from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
 
 log = logging.getLogger("pdserve.router.tokens")
 
-Route = str  # "chat" | "completions"
 _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 
 # Request fields that change how a chat prompt renders, as vLLM's /tokenize accepts them.
@@ -58,7 +59,7 @@ class PromptTokens:
         path = self._path_for(model)
         if path and path not in self._loading:
             task = asyncio.create_task(asyncio.to_thread(_load, path), name=f"tokenizer:{path}")
-            task.add_done_callback(lambda t, p=path: self._loaded(p, t))
+            task.add_done_callback(functools.partial(self._loaded, path))
             self._loading[path] = task
 
     @staticmethod
@@ -129,7 +130,7 @@ class PromptTokens:
                     return None
                 tokens = msgspec.json.decode(await resp.read()).get("tokens")
             return tokens if isinstance(tokens, list) else None
-        except (*UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError) as exc:
+        except SIDE_REQUEST_ERRORS as exc:
             log.debug("worker /tokenize failed: %s", describe(exc))
             return None
 

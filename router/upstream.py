@@ -10,9 +10,13 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import msgspec
 
 # Everything a request to a worker can raise that means "this worker failed us".
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
+# ... and, for a side request whose JSON answer the router reads (health, /v1/models, /tokenize), an
+# answer it cannot read (not JSON, or JSON of another shape).
+SIDE_REQUEST_ERRORS: tuple[type[BaseException], ...] = (*UPSTREAM_ERRORS, msgspec.DecodeError, AttributeError)
 
 
 def new_session() -> aiohttp.ClientSession:

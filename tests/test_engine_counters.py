@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.kvstore.engine_counters import delta, parse_counters
+from pdserve.bench.engine_counters import delta, parse_counters
 
 PAGE = """\
 # HELP vllm:pdserve_loads_total KV loads from the pdserve store
@@ -25,7 +25,7 @@ def test_delta_counts_what_each_counter_gained():
 
 
 def test_load_phases_are_means_per_load_between_two_readings():
-    from pdserve.kvstore.engine_counters import describe_load_phases, load_phase_means
+    from pdserve.bench.engine_counters import describe_load_phases, load_phase_means
 
     before = {"loads": 2.0, "load_seconds": 0.1}
     after = {"loads": 6.0, "load_seconds": 0.14, "load_queue_seconds": 0.004, "load_fetch_seconds": 0.02,

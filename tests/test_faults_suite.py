@@ -1,6 +1,6 @@
 """Issue 12's fault suite: one real stack broken scenario by scenario under a concurrent load.
 
-The stack (deploy/fault_stack.py): KV store with a 5 s tail TTL, 1 prefill + 2 decode
+The stack (bench/fault_stack.py): KV store with a 5 s tail TTL, 1 prefill + 2 decode
 workers on the tiny DeepSeek-V3 discovered through this test's own redis-server
 (procs.start_redis, never the machine's), the router, supervised as `pdserve up` does.
 `run_scenarios` (what `pdserve bench faults` prints) runs, under 4 client streams of
@@ -24,13 +24,13 @@ from typing import Iterator
 
 import pytest
 
-from pdserve.deploy.bench_faults import SCENARIOS, FaultStack, Row, format_table, run_scenarios
-from pdserve.deploy.fault_stack import rss_parts, tree
+from pdserve.bench.faults import SCENARIOS, FaultStack, Row, format_table, run_scenarios
+from pdserve.bench.fault_stack import rss_parts, tree
 from procs import log_dir, start_redis
 
 pytestmark = pytest.mark.engine
 
-BAD_INPUTS = 6  # bench_faults.bad_inputs sends six
+BAD_INPUTS = 6  # bench/faults.py: bad_inputs sends six
 
 
 class Suite:

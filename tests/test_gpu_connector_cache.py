@@ -43,7 +43,7 @@ def _kernel_names(fn) -> list[str]:
 
 
 def test_mixed_width_group_round_trips_through_one_kernel_per_part() -> None:
-    from pdserve.kvstore.connector_cache import GroupCache
+    from pdserve.kvstore.connector.cache import GroupCache
 
     widths = [656, 132, 656, 132]  # V3.2: latent and indexer layers in one group
     src, dst = GroupCache(_layers(widths)), GroupCache(_layers(widths))
@@ -65,7 +65,7 @@ def test_mixed_width_group_round_trips_through_one_kernel_per_part() -> None:
 def _store_with(objects: dict[bytes, torch.Tensor]):
     from kvstore_fixtures import LAYOUT, start_kvstore
 
-    from pdserve.kvstore.client import KVStoreClient
+    from pdserve.kvstore.client.client import KVStoreClient
 
     store = start_kvstore(l1_size_gb=0.25)
     with KVStoreClient(store.url) as client:
@@ -76,8 +76,8 @@ def _store_with(objects: dict[bytes, torch.Tensor]):
 
 def _load(cache, store, ns: str, key: bytes, blocks: list[int], before_load=None) -> None:
     """One load through the connector's worker IO; returns once it is reported finished."""
-    from pdserve.kvstore.connector_plan import ObjectSpec, TransferJob
-    from pdserve.kvstore.connector_worker import WorkerIO
+    from pdserve.kvstore.connector.plan import ObjectSpec, TransferJob
+    from pdserve.kvstore.connector.worker_side import WorkerIO
 
     io = WorkerIO({"url": store.url}, ns, [cache], writes=False)
     try:
@@ -96,7 +96,7 @@ def _load(cache, store, ns: str, key: bytes, blocks: list[int], before_load=None
 
 
 def test_a_load_is_reported_only_once_its_copy_is_complete() -> None:
-    from pdserve.kvstore.connector_cache import GroupCache
+    from pdserve.kvstore.connector.cache import GroupCache
 
     src = GroupCache(_layers([656, 656]))
     blocks = [2, 4, 6]
@@ -118,7 +118,7 @@ def test_a_load_is_reported_only_once_its_copy_is_complete() -> None:
 
 
 def test_a_load_lands_after_what_the_engine_queued_before_it() -> None:
-    from pdserve.kvstore.connector_cache import GroupCache
+    from pdserve.kvstore.connector.cache import GroupCache
 
     src = GroupCache(_layers([656]))
     blocks = [1, 7]
@@ -141,7 +141,7 @@ def test_a_load_lands_after_what_the_engine_queued_before_it() -> None:
 
 
 def test_a_save_reads_what_the_engine_wrote_before_it() -> None:
-    from pdserve.kvstore.connector_cache import GroupCache
+    from pdserve.kvstore.connector.cache import GroupCache
 
     cache = GroupCache(_layers([656, 132]))
     blocks = [8, 9]

@@ -31,9 +31,9 @@ import httpx
 import pytest
 
 from pdserve.deploy.cli import main as pdserve_main
-from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.engine_counters import parse_counters
-from pdserve.kvstore.keys import chunk_keys
+from pdserve.bench.engine_counters import parse_counters
+from pdserve.kvstore.client.client import KVStoreClient
+from pdserve.kvstore.client.keys import chunk_keys
 from procs import ENGINE_ARGS, ENGINE_START_TIMEOUT_S, Proc, free_port, http_ok, pdserve_argv, start_process
 
 ON_CPU = os.environ.get("PDSERVE_TEST_ON_CPU") == "1"
@@ -255,10 +255,10 @@ CONSUMER = textwrap.dedent(
     import torch
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from pdserve.kvstore import connector_worker
+    from pdserve.kvstore.connector import worker_side
 
     loaded = []  # per object loaded: group, chunk key, and its blocks read back from the paged cache
-    load_one = connector_worker.WorkerIO._load_one
+    load_one = worker_side.WorkerIO._load_one
 
     def recording_load_one(self, client, job, health):
         outcome = load_one(self, client, job, health)
@@ -270,7 +270,7 @@ CONSUMER = textwrap.dedent(
                            "skip": spec.skip_blocks, "bytes": back.cpu().numpy().tobytes().hex()})
         return outcome
 
-    connector_worker.WorkerIO._load_one = recording_load_one
+    worker_side.WorkerIO._load_one = recording_load_one
 
     if __name__ == "__main__":
         model, url, prompt, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])

@@ -9,8 +9,8 @@ from typing import Iterator
 import pytest
 from kvstore_fixtures import LAYOUT, KVStoreProc, start_kvstore
 
-from pdserve.kvstore.client import KVStoreClient
-from pdserve.kvstore.handoff import HANDOFF_KEY, HandoffWatch, handoff_id, handoff_tail_id
+from pdserve.kvstore.client.client import KVStoreClient
+from pdserve.kvstore.connector.handoff import HANDOFF_KEY, HandoffWatch, handoff_id, handoff_tail_id
 
 NS = LAYOUT.namespace()
 
@@ -74,6 +74,6 @@ def test_watch_on_a_dead_store_ends_unready() -> None:
 
 @pytest.mark.parametrize("value, expected", [(30, 30.0), (1e9, 600.0), (-1, 10.0), ("60", 10.0), (True, 10.0), (None, 10.0)])
 def test_handoff_wait_is_the_routers_bounded(value: object, expected: float) -> None:
-    from pdserve.kvstore.handoff import HANDOFF_WAIT_KEY, handoff_wait
+    from pdserve.kvstore.connector.handoff import HANDOFF_WAIT_KEY, handoff_wait
 
     assert handoff_wait({HANDOFF_WAIT_KEY: value}, 10.0) == expected

@@ -108,7 +108,7 @@ else:
 
     def test_bench_runs_its_checks() -> None:
         """`pdserve bench kernels` end to end on tiny shapes (the timings mean nothing here)."""
-        from pdserve.kernels import bench
+        from pdserve.bench import kernels as bench
 
         b = bench.Bench("cpu", 1, 1)
         rows = bench.bench_paged(b, 2, 8, 584, 2 * 2 * 8 * 584, [(BIG_TILE, 4)])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pdserve.deploy.cli import resolve
-from pdserve.kernels import bench, compile_check
+from pdserve.bench import kernels as bench
+from pdserve.kernels import compile_check
 
 
 def _variant(name: str) -> compile_check.Variant:
@@ -29,7 +30,7 @@ def test_native_codec_needs_sm89() -> None:
 
 
 def test_bench_entry_points() -> None:
-    assert resolve(["bench", "kernels", "--layers", "2"]) == ("pdserve.kernels.bench", ["--layers", "2"])
+    assert resolve(["bench", "kernels", "--layers", "2"]) == ("pdserve.bench.kernels", ["--layers", "2"])
     args = bench.build_parser().parse_args([])
     assert (args.layers, args.block_sizes, args.row_bytes, args.min_gib) == (43, "64,256", "584,656", 1.0)
     if not torch.cuda.is_available():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from kvstore_fixtures import LAYOUT, KVStoreProc, start_kvstore
 
-from pdserve.kvstore.client import KVStoreClient, KVStoreError
-from pdserve.kvstore.keys import chunk_keys
+from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.client.keys import chunk_keys
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,11 @@ import zmq
 from kvstore_fixtures import LAYOUT, KVStoreProc, start_kvstore
 from procs import free_port
 
-from pdserve.kvstore import protocol as p
-from pdserve.kvstore.bench import main as bench_main
-from pdserve.kvstore.client import AsyncKVStoreClient, KVStoreClient, KVStoreError
-from pdserve.kvstore.server import main as server_main
-from pdserve.kvstore.shm import Arena
+from pdserve.kvstore.client import protocol as p
+from pdserve.bench.kvstore_throughput import main as bench_main
+from pdserve.kvstore.client.client import AsyncKVStoreClient, KVStoreClient, KVStoreError
+from pdserve.kvstore.server.main import main as server_main
+from pdserve.kvstore.client.shm import Arena
 
 NS = LAYOUT.namespace()
 MIB = 1 << 20
@@ -237,7 +237,7 @@ def test_await_ends_with_what_is_there_and_does_not_block_others(server: KVStore
 
 def test_parked_awaits_are_capped() -> None:
     """Past the cap an await is answered at once: a flood cannot pin the store's memory."""
-    from pdserve.kvstore.waiters import Waiters
+    from pdserve.kvstore.server.waiters import Waiters
 
     clock = [0.0]
     waiters = Waiters(clock=lambda: clock[0], cap=2)

@@ -9,14 +9,14 @@ import msgspec
 import pytest
 from kvstore_fixtures import LAYOUT
 
-from pdserve.kvstore import protocol as p
-from pdserve.kvstore import checksum as checksum_module
-from pdserve.kvstore.checksum import checksum, copy_all
-from pdserve.kvstore.config import KVStoreConfig, build_parser, from_args
-from pdserve.kvstore.keys import chunk_keys
-from pdserve.kvstore.l1 import ALIGN, L1, Allocator, ChunkId, Obj
-from pdserve.kvstore.l2 import L2, L2Corrupt
-from pdserve.kvstore.shm import Arena
+from pdserve.kvstore.client import protocol as p
+from pdserve.kvstore.client import checksum as checksum_module
+from pdserve.kvstore.client.checksum import checksum, copy_all
+from pdserve.kvstore.server.config import KVStoreConfig, build_parser, from_args
+from pdserve.kvstore.client.keys import chunk_keys
+from pdserve.kvstore.server.l1 import ALIGN, L1, Allocator, ChunkId, Obj
+from pdserve.kvstore.server.l2 import L2, L2Corrupt
+from pdserve.kvstore.client.shm import Arena
 
 # ------------------------------------------------------------------ protocol
 

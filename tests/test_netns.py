@@ -188,6 +188,7 @@ def _store_metrics(host: Host) -> dict[str, float]:
     return host.get(STORE_HTTP_PORT, "/stats").json()["metrics"]
 
 
+@pytest.mark.engine
 def test_decode_on_host_b_loads_the_handoff_from_host_a_over_tcp(stack: tuple[Host, Host]) -> None:
     a, b = stack
     for prompt in prompts(31, [2 * CHUNK + 70, 3 * CHUNK]):
@@ -209,7 +210,7 @@ def test_store_on_a_routable_address_demands_its_token(stores: tuple[Host, Host]
     a, b = stores
     check = (
         "import json\n"
-        "from pdserve.kvstore.client import KVStoreClient, KVStoreError\n"
+        "from pdserve.kvstore.client.client import KVStoreClient, KVStoreError\n"
         f"url = 'tcp://{a.addr}:{STORE_PORT}'\n"
         "def code(token):\n"
         "    try:\n"

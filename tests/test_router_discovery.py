@@ -17,7 +17,8 @@ import pytest
 import redis
 
 pytest.register_assert_rewrite("router_fixtures")  # it is imported here before pytest loads it as a plugin
-from pdserve.router.discovery import KEY_PREFIX, MembershipWatcher, Registrar, WorkerRecord
+from pdserve.router.membership import MembershipWatcher
+from pdserve.worker.registration import KEY_PREFIX, Registrar, WorkerRecord
 from procs import Proc
 from router_fixtures import API_KEY, Stack, chat_messages, long_prompt, metric, start_router, wait_until
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 pytest.register_assert_rewrite("router_fixtures")  # it is imported here before pytest loads it as a plugin
-from procs import Proc, free_port
+from procs import free_port
 from router_fixtures import (
     API_KEY, Stack, chat_messages, long_prompt, metric, pd_router, raw_post, start_engine, start_router, wait_until,
 )

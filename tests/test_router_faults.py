@@ -30,7 +30,7 @@ pytest.register_assert_rewrite("router_fixtures")  # it is imported here before 
 from procs import Proc, free_port
 from router_fixtures import API_KEY, Stack, chat_messages, metric, start_router
 
-from pdserve.router.pd_flow import _has_token
+from pdserve.router.flow.relay import _has_token
 
 pytest_plugins = ("router_fixtures",)
 pytestmark = pytest.mark.engine

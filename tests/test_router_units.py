@@ -15,7 +15,8 @@ import pytest
 from pdserve.router.config import RouterConfig, config_from_args
 from pdserve.router.errors import RouterError
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pd_flow import _has_token, prefill_body
+from pdserve.router.flow.prefill_leg import prefill_body
+from pdserve.router.flow.relay import _has_token
 from pdserve.router.policies import LeastLoaded, PrefixAware, RoundRobin, make_policy
 from pdserve.router.pool import Pool, RouteContext, Worker
 from pdserve.router.requests import validate
@@ -218,7 +219,7 @@ def test_prefill_body_is_one_unstreamed_token_with_remote_decode() -> None:
 
 async def test_store_view_degrades_when_the_store_is_down() -> None:
     """A store that does not answer (nothing listens on the port) costs only the routing hint."""
-    from pdserve.router.store import StoreView
+    from pdserve.router.store_view import StoreView
     from procs import free_port
 
     view = StoreView()
@@ -236,9 +237,9 @@ async def test_store_view_counts_stored_prefix_tokens(token: str | None) -> None
     """Against a real store: chunks put under the connector's keys are found as a token count."""
     from kvstore_fixtures import LAYOUT, start_kvstore
 
-    from pdserve.kvstore.client import AsyncKVStoreClient
-    from pdserve.kvstore.keys import chunk_keys
-    from pdserve.router.store import StoreView
+    from pdserve.kvstore.client.client import AsyncKVStoreClient
+    from pdserve.kvstore.client.keys import chunk_keys
+    from pdserve.router.store_view import StoreView
 
     store = start_kvstore(*(["--auth-token", token] if token else []))
     try:

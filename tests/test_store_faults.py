@@ -22,10 +22,10 @@ from typing import Iterator
 import httpx
 import pytest
 
-from pdserve.kvstore.client import KVStoreClient, KVStoreUnavailable
-from pdserve.kvstore.config import KVStoreConfig
-from pdserve.kvstore.connector_worker import LOAD_THREADS
-from pdserve.kvstore.store_health import StoreDown, StoreHealth
+from pdserve.kvstore.client.client import KVStoreClient, KVStoreUnavailable
+from pdserve.kvstore.server.config import KVStoreConfig
+from pdserve.kvstore.connector.worker_side import LOAD_THREADS
+from pdserve.kvstore.client.health import StoreDown, StoreHealth
 from procs import Proc, free_port, pdserve_argv, start_process, start_vllm_server
 from test_connector import _eventually, _metric, prompts
 
@@ -138,6 +138,7 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: after[k] - before[k] for k in after}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_dead_store_costs_one_deadline_not_one_per_request(stack: Stack, fault: str) -> None:
     seed = 100 if fault == "kill" else 200
@@ -254,9 +255,9 @@ async def test_router_prefix_view_asks_only_the_store_the_params_name() -> None:
     tcp://127.0.0.1:5556) gives no prefix hint for chunks it never saw."""
     from kvstore_fixtures import LAYOUT
 
-    from pdserve.kvstore.client import AsyncKVStoreClient
-    from pdserve.kvstore.keys import chunk_keys
-    from pdserve.router.store import StoreView
+    from pdserve.kvstore.client.client import AsyncKVStoreClient
+    from pdserve.kvstore.client.keys import chunk_keys
+    from pdserve.router.store_view import StoreView
 
     store = Store("--store-id", "host-b-store")
     try:
@@ -277,9 +278,9 @@ async def test_router_prefix_view_asks_only_the_store_the_params_name() -> None:
 def test_producer_store_is_chosen_by_id_not_url_string() -> None:
     """Every Ray node's store is tcp://127.0.0.1:5556: params naming that URL under another
     store's id are not ours, and a load there does not wait for an upload that will never come."""
-    from pdserve.kvstore.connector_plan import GroupGeometry, TransferJob
-    from pdserve.kvstore.connector_scheduler import SchedulerSide
-    from pdserve.kvstore.connector_worker import WorkerIO
+    from pdserve.kvstore.connector.plan import GroupGeometry, TransferJob
+    from pdserve.kvstore.connector.scheduler_side import SchedulerSide
+    from pdserve.kvstore.connector.worker_side import WorkerIO
 
     store = Store("--store-id", "node-b")
     args = {"url": store.url, "auth_token": None, "timeout_s": 1.0, "shm": None}

@@ -25,8 +25,8 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-from pdserve.deploy.children import Backoff, Change, StopFlag, Supervised, spawn
-from pdserve.deploy.worker import EXIT_GAVE_UP
+from pdserve.worker.children import Backoff, Change, StopFlag, Supervised, spawn
+from pdserve.worker.supervisor import EXIT_GAVE_UP
 from pdstack_fixtures import UpStack, descendants, running_up
 from procs import ENGINE_ENV, ENGINE_START_TIMEOUT_S, free_port, listens_on, log_dir, pdserve_argv
 
@@ -154,7 +154,7 @@ def test_stop_flag_wakes_its_waiter_on_signals_from_another_thread(stop_flag: St
 UP_LIKE = r"""
 import os, signal, sys
 from pathlib import Path
-from pdserve.deploy.children import StopFlag
+from pdserve.worker.children import StopFlag
 from pdserve.deploy.local import Component, LocalStack, StackConfig, serve
 
 extra = [20]

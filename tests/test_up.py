@@ -43,6 +43,7 @@ def test_redis_mode_and_api_key_reach_workers_and_router() -> None:
     assert "--decode" not in router and router[router.index("--api-key") + 1] == "k"
 
 
+@pytest.mark.engine
 def test_up_printed_url_curl_line_and_demo_reply(up_stack: UpStack) -> None:
     text = up_stack.text()
     assert f"ready: {up_stack.url}/v1" in text
@@ -51,6 +52,7 @@ def test_up_printed_url_curl_line_and_demo_reply(up_stack: UpStack) -> None:
     assert int(match.group(1)) > 0
 
 
+@pytest.mark.engine
 def test_openai_sdk_chat_through_up_streamed_and_not(up_stack: UpStack) -> None:
     client = openai.OpenAI(base_url=f"{up_stack.url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list().data] == [up_stack.model]
@@ -65,6 +67,7 @@ def test_openai_sdk_chat_through_up_streamed_and_not(up_stack: UpStack) -> None:
     assert streamed == full.choices[0].message.content
 
 
+@pytest.mark.engine
 def test_ctrl_c_stops_every_child(up_stack: UpStack) -> None:
     """Runs last: SIGINT to `pdserve up` must leave no process of the stack alive."""
     children = up_stack.children()

@@ -14,8 +14,9 @@ import inspect
 import pytest
 from vllm.v1.worker import kv_connector_model_runner_mixin
 
-from pdserve.deploy import local, worker
-from pdserve.kvstore import vllm_compat, vllm_release
+from pdserve.deploy import local
+from pdserve.worker import supervisor as worker
+from pdserve.kvstore.connector import vllm_compat, vllm_release
 
 # Releases whose connector code we read: which family each one has.
 KNOWN_FAMILIES = {(0, 23): "old", (0, 26): "old", (0, 27): "old", (0, 32): "new"}

@@ -23,9 +23,9 @@ import msgspec
 import pytest
 import redis
 
-from pdserve.deploy.children import group_alive
-from pdserve.deploy.worker import WorkerConfig, WorkerError, config_from_args
-from pdserve.router.discovery import WorkerRecord, worker_key
+from pdserve.worker.children import group_alive
+from pdserve.worker.config import WorkerConfig, WorkerError, config_from_args
+from pdserve.worker.registration import WorkerRecord, worker_key
 from procs import ENGINE_ARGS, ENGINE_ENV, ENGINE_START_TIMEOUT_S, Proc, free_port, pdserve_argv, start_process
 
 # ---------------------------------------------------------------- argument handling (no engine)

@@ -131,7 +131,7 @@ def rules(text: str) -> dict[str, list[str]]:
     """
     out = {}
     for table, lines in save_sections(text).items():
-        kept = [l for l in lines if l.startswith("-A") or (l.startswith(":") and not l.endswith(" ACCEPT"))]
+        kept = [rule for rule in lines if rule.startswith("-A") or (rule.startswith(":") and not rule.endswith(" ACCEPT"))]
         if kept:
             out[table] = kept
     return out
@@ -152,12 +152,12 @@ def undo_iptables(cmd: str, before: str, now: str) -> None:
                 kept.remove(line)
             else:
                 added.append(line)
-        for line in reversed([l for l in added if l.startswith("-A ")]):
+        for line in reversed([rule for rule in added if rule.startswith("-A ")]):
             run([cmd, "-t", table, "-D", *shlex.split(line)[1:]], check=False)
         for line in added:
             if line.startswith(":") and line.endswith(" -"):  # a user chain, now empty
                 run([cmd, "-t", table, "-X", line[1:].split()[0]], check=False)
-        policies = {l[1:].split()[0]: l.split()[1] for l in old.get(table, []) if l.startswith(":")}
+        policies = {rule[1:].split()[0]: rule.split()[1] for rule in old.get(table, []) if rule.startswith(":")}
         for line in added:
             chain, policy = line[1:].split()[:2] if line.startswith(":") else ("", "-")
             if policy != "-":

@@ -15,7 +15,7 @@ to the server (which counts and drops the object) and answered as a miss.
 A timeout closes the socket (so a late reply can never be taken for the next
 one's) and raises KVStoreUnavailable naming the URL: the timeout is a per-reply
 deadline (a large transfer arrives as several replies), so it can be short enough
-to notice a dead or wedged store within about a second (see store_health).
+to notice a dead or wedged store within about a second (see health.py).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from pdserve.kvstore import protocol as p
-from pdserve.kvstore.checksum import byte_view, checksums, copy_all
-from pdserve.kvstore.layout import KVLayout
-from pdserve.kvstore.protocol import ServerInfo
-from pdserve.kvstore.shm import Arena, ArenaError
+from pdserve.kvstore.client import protocol as p
+from pdserve.kvstore.client.checksum import byte_view, checksums, copy_all
+from pdserve.kvstore.client.layout import KVLayout
+from pdserve.kvstore.client.protocol import ServerInfo
+from pdserve.kvstore.client.shm import Arena, ArenaError
 
 __all__ = ["KVStoreClient", "AsyncKVStoreClient", "KVStoreError", "KVStoreUnavailable", "ServerInfo"]
 

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from pdserve.kvstore.client import KVStoreClient, KVStoreError, KVStoreUnavailable
+from pdserve.kvstore.client.client import KVStoreClient, KVStoreError, KVStoreUnavailable
 
 log = logging.getLogger("pdserve.connector")
 

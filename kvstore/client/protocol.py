@@ -23,7 +23,7 @@ from typing import Sequence, Union
 
 import msgspec
 
-from pdserve.kvstore.layout import KVLayout
+from pdserve.kvstore.client.layout import KVLayout
 
 PROTOCOL_VERSION = 1
 MAX_ITEMS = 65536  # items in one batch

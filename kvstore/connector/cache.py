@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.kvstore.connector_plan import UNALLOCATED
+from pdserve.kvstore.connector.plan import UNALLOCATED
 
 
 def _paged_ops() -> tuple[Callable, Callable] | None:

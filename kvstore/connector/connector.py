@@ -7,12 +7,12 @@ Loaded by name once the `pdserve` vLLM plugin is installed:
 
 Roles: kv_producer saves every full prompt chunk the store lacks (and, for a P/D
 request, the partial tail); kv_consumer loads; kv_both does both, so a decode worker
-can also prefill locally and reuse prefixes. The scheduler half (connector_scheduler)
-plans, the worker half (connector_worker) moves bytes; this module wires them into
+can also prefill locally and reuse prefixes. The scheduler half (scheduler_side.py)
+plans, the worker half (worker_side.py) moves bytes; this module wires them into
 vLLM's KVConnectorBase_V1 / SupportsHMA interface and runs the start-up checks.
 
 Extra config keys: kvstore_url (required), auth_token, timeout_s (per store reply,
-default 1: a store that misses it is marked down, see store_health), handoff_wait_s
+default 1: a store that misses it is marked down, see kvstore/client/health.py), handoff_wait_s
 (how long a decode waits for chunks a prefill is still uploading, default 10).
 """
 
@@ -31,14 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowSpec
 
-from pdserve.kvstore import vllm_compat
-from pdserve.kvstore.client import KVStoreClient, KVStoreError
-from pdserve.kvstore.connector_cache import GroupCache
-from pdserve.kvstore.connector_plan import GroupGeometry
-from pdserve.kvstore.connector_scheduler import SchedulerSide, StepMeta
-from pdserve.kvstore.connector_stats import PDServePromMetrics, PDServeStats
-from pdserve.kvstore.connector_worker import IDLE_WAIT_S, WorkerIO
-from pdserve.kvstore.layout import KVGroupLayout, KVLayout
+from pdserve.kvstore.connector import vllm_compat
+from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.connector.cache import GroupCache
+from pdserve.kvstore.connector.plan import ConnectorConfigError, GroupGeometry, check_geometry
+from pdserve.kvstore.connector.scheduler_side import SchedulerSide, StepMeta
+from pdserve.kvstore.connector.stats import PDServePromMetrics, PDServeStats
+from pdserve.kvstore.connector.worker_side import IDLE_WAIT_S, WorkerIO
+from pdserve.kvstore.client.layout import KVGroupLayout, KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,10 +50,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.connector")
 
 STARTUP_TIMEOUT_S = 10.0  # the start-up checks' deadline for the store's first answers
-
-
-class ConnectorConfigError(RuntimeError):
-    """A start-up check failed; the message names the fix."""
 
 
 def _tp_rank() -> int:
@@ -105,24 +101,6 @@ def _scheduler_view(spec: Any) -> Any:
 
 def _dtype_name(spec: Any) -> str:
     return getattr(spec, "cache_dtype_str", None) or str(spec.dtype).removeprefix("torch.")
-
-
-def check_geometry(layout: KVLayout, chunk_size: int, retention_interval: int | None) -> None:
-    """Start-up checks whose failure would otherwise show up as wrong tokens later."""
-    for g in layout.groups:
-        if chunk_size % g.block_size:
-            raise ConnectorConfigError(
-                f"the KV store's chunk size {chunk_size} is not a multiple of KV group {g.name}'s block size "
-                f"{g.block_size}: restart the store with --chunk-size {g.block_size * max(1, chunk_size // g.block_size)} "
-                f"(or another multiple of {g.block_size})"
-            )
-    if any(g.sliding_window for g in layout.groups):
-        if retention_interval is not None and (retention_interval <= 0 or chunk_size % retention_interval):
-            raise ConnectorConfigError(
-                f"this model has sliding-window KV groups: pass --prefix-cache-retention-interval N with N dividing "
-                f"the store's chunk size {chunk_size} (e.g. --prefix-cache-retention-interval {chunk_size}); "
-                f"got {retention_interval}"
-            )
 
 
 class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -247,7 +225,8 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         for group in self.io.groups:
             self.io.stats.add(**{k: v for k, v in group.take_copy_counts().items() if v})
-        return self.io.stats.take()
+        counts = self.io.stats.take()
+        return PDServeStats(data=counts) if counts else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PDServeStats:

@@ -9,11 +9,17 @@ final partial chunk). A full-attention group's object holds the blocks of its ow
 chunk. A sliding-window group's object holds only the window that ends at the
 object's end (chunk-aligned retention): that is all a decode resuming at that
 boundary reads, so resuming at any chunk boundary is exact.
+
+`check_geometry` is the start-up check of the same arithmetic: a chunk that is not a whole
+number of blocks, or a sliding window retained at other boundaries, would show up as wrong
+tokens later, so the engine refuses to start instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pdserve.kvstore.client.layout import KVLayout
 
 TAIL = None  # the `key` of a tail object
 UNALLOCATED = -1  # a payload block a load does not write (past the tokens it loads)
@@ -107,3 +113,25 @@ def plan_objects(
             skip = max(0, min(last, computed_tokens // geo.block_size) - first)
             specs.append(ObjectSpec(group=group, key=key, block_ids=list(ids), skip_blocks=skip))
     return specs
+
+
+class ConnectorConfigError(RuntimeError):
+    """A start-up check failed; the message names the fix."""
+
+
+def check_geometry(layout: KVLayout, chunk_size: int, retention_interval: int | None) -> None:
+    """Start-up checks whose failure would otherwise show up as wrong tokens later."""
+    for g in layout.groups:
+        if chunk_size % g.block_size:
+            raise ConnectorConfigError(
+                f"the KV store's chunk size {chunk_size} is not a multiple of KV group {g.name}'s block size "
+                f"{g.block_size}: restart the store with --chunk-size {g.block_size * max(1, chunk_size // g.block_size)} "
+                f"(or another multiple of {g.block_size})"
+            )
+    if any(g.sliding_window for g in layout.groups):
+        if retention_interval is not None and (retention_interval <= 0 or chunk_size % retention_interval):
+            raise ConnectorConfigError(
+                f"this model has sliding-window KV groups: pass --prefix-cache-retention-interval N with N dividing "
+                f"the store's chunk size {chunk_size} (e.g. --prefix-cache-retention-interval {chunk_size}); "
+                f"got {retention_interval}"
+            )

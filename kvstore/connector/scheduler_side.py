@@ -11,7 +11,7 @@ report it received.
 Stores are named by id, not URL: every host's store may be tcp://127.0.0.1:5556. A
 producer publishes its store's id and advertised URL in kv_transfer_params; a decode
 loads from its own store only when both name it. A store that is marked down
-(store_health) is not asked at all: lookups find nothing, tails expire by their TTL.
+(kvstore/client/health.py) is not asked at all: lookups find nothing, tails expire by their TTL.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from pdserve.kvstore.client import KVStoreClient, KVStoreError
-from pdserve.kvstore.connector_plan import GroupGeometry, TransferJob, plan_objects
-from pdserve.kvstore.handoff import HandoffWatch, handoff_id, handoff_tail_id, handoff_wait
-from pdserve.kvstore.keys import chunk_keys
-from pdserve.kvstore.store_health import StoreDown, health_of
+from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.client.health import StoreDown, health_of
+from pdserve.kvstore.client.keys import chunk_keys
+from pdserve.kvstore.connector.handoff import HandoffWatch, handoff_id, handoff_tail_id, handoff_wait
+from pdserve.kvstore.connector.plan import GroupGeometry, TransferJob, plan_objects
 
 log = logging.getLogger("pdserve.connector")
 

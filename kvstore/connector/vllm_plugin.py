@@ -15,4 +15,4 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "pdserve.kvstore.connector", CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "pdserve.kvstore.connector.connector", CONNECTOR_NAME)

@@ -6,7 +6,7 @@ a few background threads, so one request waiting for its producer's upload (or f
 a store that stopped answering) holds up no other: fetch the objects, check every
 size, scatter into the blocks vLLM allocated, then report the request as received.
 A missing or corrupt object is a load error for exactly the blocks it covers, never
-data. Every store is a fault domain (store_health): a store that misses a deadline
+data. Every store is a fault domain (kvstore/client/health.py): a store that misses a deadline
 is marked down, and loads and saves on it fail at once until it answers again.
 """
 
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from pdserve.kvstore.client import KVStoreClient, KVStoreError, KVStoreUnavailable
-from pdserve.kvstore.connector_cache import GroupCache
-from pdserve.kvstore.connector_plan import UNALLOCATED, ObjectSpec, TransferJob
-from pdserve.kvstore.connector_stats import StatsCounter
-from pdserve.kvstore.store_health import StoreDown, StoreHealth, health_of
+from pdserve.kvstore.client.client import KVStoreClient, KVStoreError, KVStoreUnavailable
+from pdserve.kvstore.connector.cache import GroupCache
+from pdserve.kvstore.connector.plan import UNALLOCATED, ObjectSpec, TransferJob
+from pdserve.kvstore.connector.counters import StatsCounter
+from pdserve.kvstore.client.health import StoreDown, StoreHealth, health_of
 
 log = logging.getLogger("pdserve.connector")
 

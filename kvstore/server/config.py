@@ -1,4 +1,4 @@
-"""KV store configuration: one typed place, filled from the same flags LMCache users know."""
+"""The KV store server's configuration: one typed place, filled from the same flags LMCache users know."""
 
 from __future__ import annotations
 
@@ -10,17 +10,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.kvstore.client.auth import TOKEN_ENV
+
 GIB = 1 << 30
-
-
-TOKEN_ENV = "PDSERVE_KVSTORE_TOKEN"
-
-
-def add_client_token_flag(parser: argparse.ArgumentParser, used_for: str) -> None:
-    """`--kvstore-auth-token` for a process that talks to stores (workers, router), defaulting to
-    $PDSERVE_KVSTORE_TOKEN so deployments can keep the token off command lines; "" means none."""
-    parser.add_argument("--kvstore-auth-token", default=os.environ.get(TOKEN_ENV), type=lambda s: s or None,
-                        help=f"the store's --auth-token, {used_for} (default: ${TOKEN_ENV})")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pdserve.kvstore.metrics import Metrics
+from pdserve.kvstore.server.metrics import Metrics
 
 
 def start_http(host: str, port: int, metrics: Metrics, info: Callable[[], dict]) -> ThreadingHTTPServer:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from pdserve.kvstore.shm import Arena
+from pdserve.kvstore.client.shm import Arena
 
 ALIGN = 64
 ChunkId = tuple[str, int, bytes]  # (namespace, object group, chunk key)

@@ -20,9 +20,9 @@ from typing import Callable
 
 import msgspec
 
-from pdserve.kvstore.checksum import checksum
-from pdserve.kvstore.l1 import ChunkId
-from pdserve.kvstore.protocol import NAMESPACE_RE
+from pdserve.kvstore.client.checksum import checksum
+from pdserve.kvstore.server.l1 import ChunkId
+from pdserve.kvstore.client.protocol import NAMESPACE_RE
 
 log = logging.getLogger(__name__)
 

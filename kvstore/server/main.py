@@ -16,13 +16,13 @@ from typing import Sequence
 import zmq
 
 from pdserve import __version__
-from pdserve.kvstore.config import KVStoreConfig, build_parser, from_args
-from pdserve.kvstore.http import start_http
-from pdserve.kvstore.malloc import keep_large_buffers
-from pdserve.kvstore.metrics import Metrics
-from pdserve.kvstore.shm import ArenaError
-from pdserve.kvstore.store import Store
-from pdserve.kvstore.transport import ZmqServer
+from pdserve.kvstore.server.config import KVStoreConfig, build_parser, from_args
+from pdserve.kvstore.server.http import start_http
+from pdserve.kvstore.client.malloc import keep_large_buffers
+from pdserve.kvstore.server.metrics import Metrics
+from pdserve.kvstore.client.shm import ArenaError
+from pdserve.kvstore.server.store import Store
+from pdserve.kvstore.server.transport import ZmqServer
 
 __all__ = ["build_parser", "main", "run"]
 

@@ -13,14 +13,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pdserve.kvstore import protocol as p
-from pdserve.kvstore.checksum import copy_all
-from pdserve.kvstore.config import KVStoreConfig
-from pdserve.kvstore.l1 import L1, ChunkId, Obj
-from pdserve.kvstore.l2 import L2, L2Corrupt
-from pdserve.kvstore.layout import KVLayout
-from pdserve.kvstore.metrics import Metrics
-from pdserve.kvstore.shm import Arena
+from pdserve.kvstore.client import protocol as p
+from pdserve.kvstore.client.checksum import copy_all
+from pdserve.kvstore.server.config import KVStoreConfig
+from pdserve.kvstore.server.l1 import L1, ChunkId, Obj
+from pdserve.kvstore.server.l2 import L2, L2Corrupt
+from pdserve.kvstore.client.layout import KVLayout
+from pdserve.kvstore.server.metrics import Metrics
+from pdserve.kvstore.client.shm import Arena
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Lease:
 
 
 @dataclass
-class Loaded:
+class LoadResult:
     """Result of a load: reply items plus what the transport needs to send and later release."""
 
     found: list[p.Found | None]
@@ -255,14 +255,14 @@ class Store:
             errors.append(None)
         return stored, errors
 
-    def get(self, ns: str, refs: Sequence[p.ItemRef], shm: bool) -> Loaded:
+    def get(self, ns: str, refs: Sequence[p.ItemRef], shm: bool) -> LoadResult:
         """Find and lease each object (see `_loaded`); L2 hits are promoted into L1 first."""
         p.check_namespace(ns)
         p.check_items(len(refs))
         for ref in refs:
             p.check_group(ref.group)
             p.check_key(ref.key)
-        out = Loaded(found=[], shm=shm)
+        out = LoadResult(found=[], shm=shm)
         for i, ref in enumerate(refs):
             cid = (ns, ref.group, ref.key)
             obj = self.l1.get(cid)
@@ -281,7 +281,7 @@ class Store:
             out.found.append(self._loaded(obj, shm, out))
         return out
 
-    def _loaded(self, obj: Obj, shm: bool, out: Loaded) -> p.Found:
+    def _loaded(self, obj: Obj, shm: bool, out: LoadResult) -> p.Found:
         """Lease `obj` to a load: until the client's Release (shm, with a deadline in case it vanishes),
         or until ZMQ has sent the frame (`sent`; a vanished peer's frames are dropped, which ends it too)."""
         obj.leases += 1
@@ -407,7 +407,7 @@ class Store:
             slots.append(p.Slot(self._lease(obj, ((ns, request_id), it.group)), obj.offset, obj.size))
         return p.Reserved(slots=slots, stored=[True] * len(items), errors=[None] * len(items))
 
-    def get_tail(self, ns: str, request_id: str, shm: bool) -> tuple[list[int], Loaded] | None:
+    def get_tail(self, ns: str, request_id: str, shm: bool) -> tuple[list[int], LoadResult] | None:
         """Load and release the tail; None if there is none (or it is still being written)."""
         p.check_namespace(ns)
         p.check_request_id(request_id)
@@ -416,7 +416,7 @@ class Store:
             self.metrics.misses.inc()
             return None
         del self.tails[(ns, request_id)]
-        out = Loaded(found=[], shm=shm)
+        out = LoadResult(found=[], shm=shm)
         for obj in tail.objs.values():
             self.metrics.hits.labels("tail").inc()
             out.found.append(self._loaded(obj, shm, out))

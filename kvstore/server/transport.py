@@ -19,12 +19,12 @@ import msgspec
 import zmq
 
 from pdserve import __version__
-from pdserve.kvstore import protocol as p
-from pdserve.kvstore.config import KVStoreConfig
-from pdserve.kvstore.l1 import Obj
-from pdserve.kvstore.metrics import Metrics
-from pdserve.kvstore.store import Conflict, Loaded, NoRoom, Store
-from pdserve.kvstore.waiters import Waiters
+from pdserve.kvstore.client import protocol as p
+from pdserve.kvstore.server.config import KVStoreConfig
+from pdserve.kvstore.server.l1 import Obj
+from pdserve.kvstore.server.metrics import Metrics
+from pdserve.kvstore.server.store import Conflict, LoadResult, NoRoom, Store
+from pdserve.kvstore.server.waiters import Waiters
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ _ERROR_CODES: tuple[tuple[type[Exception] | tuple[type[Exception], ...], str], .
 )
 
 
-Handler = Callable[[p.Request, list[memoryview]], tuple[msgspec.Struct, Loaded | None]]
+Handler = Callable[[p.Request, list[memoryview]], tuple[msgspec.Struct, LoadResult | None]]
 
 
 class ZmqServer:
@@ -159,7 +159,7 @@ class ZmqServer:
         reply.id = req_id
         self._send(ident, reply, loaded)
 
-    def _send(self, ident: zmq.Frame, reply: msgspec.Struct, loaded: Loaded | None) -> None:
+    def _send(self, ident: zmq.Frame, reply: msgspec.Struct, loaded: LoadResult | None) -> None:
         if loaded is None or loaded.shm or not loaded.objs:  # shm leases end on Release
             self.sock.send_multipart([ident, p.encode(reply)], copy=False)
         elif isinstance(reply, p.Loaded):
@@ -260,12 +260,12 @@ class ZmqServer:
         stored, errors = self.store.commit(req.leases, req.checksums)
         return p.Stored(stored=stored, errors=errors), None
 
-    def _get(self, req: p.Get, frames: list[memoryview]) -> tuple[msgspec.Struct, Loaded]:
+    def _get(self, req: p.Get, frames: list[memoryview]) -> tuple[msgspec.Struct, LoadResult]:
         self._reap_sent()  # leases of frames already sent make room for promotions from L2
         loaded = self.store.get(req.ns, req.items, self._shm(req.shm, frames))
         return p.Loaded(items=loaded.found, retry=loaded.retry), loaded
 
-    def _get_tail(self, req: p.GetTail, frames: list[memoryview]) -> tuple[msgspec.Struct, Loaded | None]:
+    def _get_tail(self, req: p.GetTail, frames: list[memoryview]) -> tuple[msgspec.Struct, LoadResult | None]:
         found = self.store.get_tail(req.ns, req.request_id, self._shm(req.shm, frames))
         if found is None:
             return p.TailLoaded(groups=[], items=[], found=False), None

@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable, Collection, Literal, Mapping, Sequence
 
-log = logging.getLogger("pdserve.deploy.children")
+log = logging.getLogger("pdserve.worker.children")
 
+# What every child pdserve's launchers start gets in its environment: no usage reports, no
+# tokenizer thread pools fighting the engine's.
+QUIET_ENV: dict[str, str] = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
 _PR_SET_PDEATHSIG = 1
 
 

@@ -1,6 +1,6 @@
 """Read PDServeConnector's counters off an engine's /metrics, without importing vLLM.
 
-The connector exports `vllm:pdserve_<name>_total` (connector_stats.COUNTERS) on the engine's
+The connector exports `vllm:pdserve_<name>_total` (kvstore/connector/counters.py: COUNTERS) on the engine's
 own Prometheus endpoint; benchmarks and tests read them from outside the engine. Counters
 are summed over their labels (one series per engine of a data-parallel server).
 """

@@ -17,7 +17,7 @@ from typing import Callable
 
 import zmq
 
-from pdserve.kvstore import protocol as p
+from pdserve.kvstore.client import protocol as p
 
 MAX_PARKED = 4096
 

@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Any
 
-from pdserve.kvstore.client import KVStoreClient, KVStoreError
-from pdserve.kvstore.keys import prompt_digest
+from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
+from pdserve.kvstore.client.keys import prompt_digest
 
 log = logging.getLogger("pdserve.connector")
 

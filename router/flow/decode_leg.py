@@ -1,0 +1,133 @@
+"""The decode leg: the request, with the prefill's kv_transfer_params, on a decode worker.
+
+Inside the decode worker's vLLM the connector loads the prompt's KV from the store the
+params name, and the engine goes on from there. `open` sends the leg and waits for its
+response headers, moving to another decode worker on any failure (nothing has reached
+the client yet); `unary` reads a whole (non-streamed or error) response, retrying
+elsewhere if the body is cut short. Streams go to relay.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from starlette.responses import Response
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import RouterError
+from pdserve.router.flow.call import ERROR_REPLY_WORKERS, Call, UpstreamResponse
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import Policy, Pool, RouteContext, WorkerSlot
+from pdserve.router.requests import PATHS
+from pdserve.router.upstream import UPSTREAM_ERRORS, describe
+
+log = logging.getLogger("pdserve.router.flow")
+
+
+@dataclass
+class DecodeLeg:
+    """An open decode response and the bookkeeping a retry or the relay needs."""
+
+    slot: WorkerSlot
+    resp: aiohttp.ClientResponse
+    payload: bytes
+    ctx: RouteContext
+    tried: set[str]
+    t_sent: float
+    t_prefill_done: float | None
+
+
+def drop_leg(task: "asyncio.Future[DecodeLeg]") -> None:
+    """Give up an overlapped decode leg: cancel it, or close it if it already has its headers
+    (closing the connection makes vLLM abort the request, which ends its wait in the store)."""
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(drop_leg)  # in case it completes despite the cancel
+        return
+    if task.cancelled() or task.exception() is not None:
+        return
+    leg = task.result()
+    leg.slot.abandon()
+    leg.resp.close()
+
+
+class DecodeLegs:
+    def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: aiohttp.ClientSession,
+                 headers: dict[str, str], metrics: RouterMetrics) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.http = http
+        self.headers = headers
+        self.metrics = metrics
+        # A stream may run for long; what must not happen is a silence longer than decode_timeout.
+        self.timeout = aiohttp.ClientTimeout(sock_read=cfg.decode_timeout, connect=cfg.connect_timeout)
+
+    async def open(
+        self, call: Call, payload: bytes, ctx: RouteContext, tried: set[str], t_prefill_done: float | None
+    ) -> DecodeLeg:
+        """Send the decode leg and wait for its headers, moving on from workers that fail (nothing is sent yet)."""
+        headers = {**self.headers, "X-Request-Id": call.request_id}
+        last: RouterError | None = None
+        error_replies = 0
+        while True:
+            try:
+                slot = await self.pool.acquire(self.policy, ctx, exclude=tried)
+            except RouterError as exc:
+                raise last if (last is not None and exc.status == 503) else exc
+            tried.add(slot.worker.id)
+            t = time.perf_counter()
+            call.t_first_call = call.t_first_call or t
+            try:
+                resp = await self.http.post(
+                    slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout
+                )
+            except UPSTREAM_ERRORS as exc:
+                slot.failed(exc)
+                last = RouterError(502, f"decode worker failed: {describe(exc)}")
+            except BaseException:
+                slot.abandon()
+                raise
+            else:
+                if resp.status < 500:
+                    return DecodeLeg(slot, resp, payload, ctx, tried, t, t_prefill_done)
+                try:
+                    last = UpstreamResponse(resp.status, await resp.read())
+                    slot.answered()
+                    error_replies += 1
+                except UPSTREAM_ERRORS as exc:
+                    slot.failed(exc)
+                    last = RouterError(502, f"decode worker failed: {describe(exc)}")
+                finally:
+                    resp.close()
+                    slot.abandon()  # only when cancelled: the lines above gave the verdict otherwise
+                if error_replies >= ERROR_REPLY_WORKERS:
+                    raise last
+            log.warning("decode on %s failed (%s); trying another worker", slot.worker.url, last.message)
+            self.metrics.retries.labels("decode").inc()
+
+    async def unary(self, call: Call, leg: DecodeLeg) -> Response:
+        """A whole (non-streamed or error) decode response; a body cut short is retried elsewhere."""
+        while True:
+            try:
+                body = await leg.resp.read()
+                break
+            except UPSTREAM_ERRORS as exc:
+                leg.slot.failed(exc)
+                leg.resp.close()
+                self.metrics.retries.labels("decode").inc()
+                leg = await self.open(call, leg.payload, leg.ctx, leg.tried, leg.t_prefill_done)
+            except BaseException:
+                leg.slot.abandon()
+                leg.resp.close()
+                raise
+        status = leg.resp.status
+        leg.slot.answered()
+        if status == 200:
+            call.finished = True
+            self.metrics.leg.labels("decode").observe(time.perf_counter() - leg.t_sent)
+        return Response(body, status_code=status, media_type="application/json",
+                        headers={"X-Request-Id": call.request_id})

@@ -1,0 +1,59 @@
+"""Which path a request takes: both legs (P/D) or decode-only, and why.
+
+Decode-only when the request cannot share one prefill (a batch of prompts, n > 1 or beam
+search: vLLM would fork child requests that all claim the prefill's one tail), when no
+prefill worker is available, when the prompt is short (`--pd-min-prompt-tokens`) or when
+the KV store already holds most of it (`--pd-max-cached-fraction`); else P/D. The token
+count and the store's prefix hits found on the way go to the workers' policies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.flow.call import Call
+from pdserve.router.pool import Pool, RouteContext
+from pdserve.router.store_view import StoreView
+from pdserve.router.tokens import PromptTokens
+
+
+def _is_batch(body: dict[str, Any]) -> bool:
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt)
+
+
+def _forks(body: dict[str, Any]) -> bool:
+    """n > 1 (or beam search) makes vLLM fork child requests that would all claim the prefill's one tail."""
+    return (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1 or bool(body.get("use_beam_search"))
+
+
+class PathPlanner:
+    def __init__(self, cfg: RouterConfig, prefill: Pool, tokens: PromptTokens, store: StoreView) -> None:
+        self.cfg = cfg
+        self.prefill = prefill
+        self.tokens = tokens
+        self.store = store
+
+    async def plan(self, call: Call) -> tuple[str, RouteContext]:
+        """The path (a metrics label: "pd" or "decode_only_<why>") and the facts the policies use."""
+        estimate = len(call.raw) // 4  # a rough count for load accounting when no tokenization is needed
+        ctx = RouteContext(model=call.model, prompt_tokens=estimate)
+        if _is_batch(call.body):
+            return "decode_only_batch", ctx
+        if _forks(call.body):
+            return "decode_only_n", ctx
+        prefill_workers = self.prefill.candidates(call.model)
+        if not prefill_workers:
+            return "decode_only_no_prefill", ctx
+        ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url)
+        if ids is not None:
+            ctx.prompt_tokens = len(ids)
+        if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
+            return "decode_only_short", ctx
+        if ids is not None and self.store.layouts:
+            salt = call.body.get("cache_salt")
+            ctx.prefix_tokens = await self.store.prefix_tokens(ids, salt if isinstance(salt, str) else None)
+            if max(ctx.prefix_tokens.values()) >= self.cfg.pd_max_cached_fraction * len(ids):
+                return "decode_only_cached", ctx
+        return "pd", ctx

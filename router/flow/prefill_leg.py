@@ -1,0 +1,139 @@
+"""The prefill leg: the client's request, cut to one token, on a prefill worker.
+
+The body is the client's with `max_tokens=1`, `stream=false`,
+`kv_transfer_params={"do_remote_decode": true}` and `return_token_ids`, under the same
+X-Request-Id as the decode leg. Inside the worker's vLLM the connector saves the prompt's
+KV to the store and answers with kv_transfer_params naming the store and the chunks.
+Transport failures and 5xx replies move the leg to another prefill worker; when none is
+left the request falls back to decode-only. `decode_payload` then builds the decode leg's
+body: the client's plus those params and the prompt token ids (vLLM then skips
+re-rendering the prompt, so both legs see the same tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from pdserve.kvstore.connector.handoff import HANDOFF_KEY, HANDOFF_WAIT_KEY
+from pdserve.router.config import RouterConfig
+from pdserve.router.errors import RouterError
+from pdserve.router.flow.call import ERROR_REPLY_WORKERS, Call, UpstreamResponse
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import Policy, Pool, RouteContext, Worker
+from pdserve.router.requests import PATHS
+from pdserve.router.store_view import StoreView
+from pdserve.router.upstream import UPSTREAM_ERRORS, describe
+
+log = logging.getLogger("pdserve.router.flow")
+
+# Fields of the client's body that would contradict a one-token, unstreamed prefill.
+_PREFILL_DROP = ("stream", "stream_options", "min_tokens", "max_completion_tokens", "n", "best_of")
+
+
+def prefill_body(body: dict[str, Any], handoff: str | None = None) -> dict[str, Any]:
+    """The prefill leg's body: the client's, cut to one unstreamed token that keeps its KV for decode;
+    with `handoff`, the producer names its upload after it (an overlapped decode leg waits for that)."""
+    sent = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    sent["max_tokens"] = 1
+    sent["stream"] = False
+    sent["return_token_ids"] = True  # the decode leg reuses these ids instead of re-rendering
+    sent["kv_transfer_params"] = {"do_remote_decode": True, **({HANDOFF_KEY: handoff} if handoff else {})}
+    return sent
+
+
+def _prompt_ids(data: dict[str, Any]) -> list[int] | None:
+    ids = data.get("prompt_token_ids")
+    if ids is None:  # completions put them on the choice
+        choices = data.get("choices") or [{}]
+        ids = choices[0].get("prompt_token_ids")
+    return ids if isinstance(ids, list) and ids else None
+
+
+def overlap_params(handoff: str, store: tuple[str, str | None], wait_s: float) -> dict[str, Any]:
+    """An overlapped decode leg's kv_transfer_params: wait in `store` (URL, id) for handoff `handoff`, as
+    long as the prefill may take (`wait_s`: the router drops the leg sooner if the prefill fails)."""
+    url, store_id = store
+    return {"pdserve": 1, HANDOFF_KEY: handoff, "kvstore_url": url, "kvstore_id": store_id, HANDOFF_WAIT_KEY: wait_s}
+
+
+def decode_payload(call: Call, prefill: dict[str, Any]) -> bytes:
+    """The decode leg's body: the client's plus the prefill's kv_transfer_params and prompt token ids."""
+    params = dict(call.kv_params or {})
+    ids = _prompt_ids(prefill)
+    if ids is not None:
+        params["prompt_token_ids"] = ids
+    if not params:
+        return call.raw
+    return msgspec.json.encode({**call.body, "kv_transfer_params": params})
+
+
+class PrefillLeg:
+    def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: aiohttp.ClientSession,
+                 headers: dict[str, str], store: StoreView, metrics: RouterMetrics) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.http = http
+        self.headers = headers
+        self.store = store
+        self.metrics = metrics
+        self.timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, connect=cfg.connect_timeout)
+
+    async def run(
+        self, call: Call, ctx: RouteContext, handoff: str | None = None, chosen: "asyncio.Future[Worker] | None" = None
+    ) -> dict[str, Any] | None:
+        """The prefill response, or None when no prefill worker could serve it (then decode prefills).
+        `chosen` learns the first worker picked (an overlapped decode leg waits in its store)."""
+        payload = msgspec.json.encode(prefill_body(call.body, handoff))
+        headers = {**self.headers, "X-Request-Id": call.request_id}
+        tried: set[str] = set()
+        error_replies = 0
+        while True:
+            try:
+                slot = await self.pool.acquire(self.policy, ctx, exclude=tried)
+            except RouterError as exc:
+                if exc.status == 503:  # none (left) alive: decode-only
+                    return None
+                raise
+            tried.add(slot.worker.id)
+            if chosen is not None and not chosen.done():
+                chosen.set_result(slot.worker)
+            with slot:
+                t = time.perf_counter()
+                call.t_first_call = call.t_first_call or t
+                try:
+                    async with self.http.post(
+                        slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout
+                    ) as resp:
+                        status, content = resp.status, await resp.read()
+                except UPSTREAM_ERRORS as exc:
+                    slot.failed(exc)
+                    log.warning("prefill on %s failed (%s); trying another worker", slot.worker.url, describe(exc))
+                    self.metrics.retries.labels("prefill").inc()
+                    continue
+                slot.answered()
+            if status >= 500:
+                error_replies += 1
+                if error_replies < ERROR_REPLY_WORKERS:
+                    log.warning("prefill on %s answered %d; trying another worker", slot.worker.url, status)
+                    self.metrics.retries.labels("prefill").inc()
+                    continue
+            if status != 200:  # the request's fault: the client gets the worker's error
+                raise UpstreamResponse(status, content)
+            self.metrics.leg.labels("prefill").observe(time.perf_counter() - t)
+            data = msgspec.json.decode(content)
+            params = data.get("kv_transfer_params")
+            if isinstance(params, dict):
+                call.kv_params = params
+                store_url = self.store.learn(params)
+                if store_url and slot.worker.kvstore_url is None:
+                    slot.worker.kvstore_url = store_url
+                if store_url:
+                    store_id = params.get("kvstore_id")
+                    slot.worker.produces_to = (store_url, store_id if isinstance(store_id, str) else None)
+            return data

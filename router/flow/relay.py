@@ -1,0 +1,149 @@
+"""The decode stream, relayed to the client as its bytes arrive.
+
+Only events before the first token are parsed (to tell a role-only chunk from a token
+and to keep a retry invisible): until then a failed decode leg moves to another decode
+worker, and the client sees nothing of it. Afterwards bytes pass through untouched, and
+a failure ends the stream with an OpenAI error event. The one token the prefill leg
+generated is never shown: decode regenerates it from the transferred KV, so nothing is
+lost or duplicated at the seam. The relay counts the stream's outcome and times its
+first token (TTFT, handoff, the router's own overhead) when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+
+from pdserve.router.errors import RouterError
+from pdserve.router.flow.call import Call, UpstreamResponse
+from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.requests import Route
+from pdserve.router.upstream import UPSTREAM_ERRORS, describe
+
+log = logging.getLogger("pdserve.router.flow")
+
+
+def _carries_token(route: Route, choice: Any) -> bool:
+    """True when a stream choice reports generated tokens, even ones whose text is still empty.
+
+    A token that ends inside a UTF-8 character comes with empty text, so text alone
+    would hold such chunks back. On completions every choice reports output; on
+    chat the one choice that does not is the role announcement opening the stream.
+    """
+    if not isinstance(choice, dict):
+        return True  # not ours to judge: relay it
+    if choice.get("finish_reason") or choice.get("logprobs") or choice.get("token_ids"):
+        return True
+    if route == "completions":
+        return True
+    delta = choice.get("delta")
+    if not isinstance(delta, dict):
+        return True
+    return "role" not in delta or any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls"))
+
+
+def _has_token(route: Route, buf: bytes) -> bool:
+    """True once the SSE bytes hold an event that carries output (or ends the stream)."""
+    for event in buf.split(b"\n\n")[:-1]:  # the last piece is incomplete
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                return True
+            try:
+                obj = msgspec.json.decode(data)
+            except (msgspec.DecodeError, RecursionError):
+                return True  # not ours to judge: relay it
+            if not isinstance(obj, dict) or "error" in obj:
+                return True
+            choices = obj.get("choices") or ()
+            if not isinstance(choices, list) or any(_carries_token(route, c) for c in choices):
+                return True
+    return False
+
+
+class Relay:
+    def __init__(self, legs: DecodeLegs, metrics: RouterMetrics, end: Callable[[Call], None]) -> None:
+        """`end` runs once the stream is over, whatever ended it (it frees what the call still holds)."""
+        self.legs = legs
+        self.metrics = metrics
+        self.end = end
+
+    async def stream(self, call: Call, leg: DecodeLeg) -> AsyncIterator[bytes]:
+        """Relay the decode stream; retry on another worker until the first token, then pass bytes through."""
+        outcome = "499"  # unless the stream ends otherwise, the client left
+        first = False
+        relayed_done = False  # the client has had the stream's last event
+        try:
+            while True:
+                pending = b""
+                t_last = 0.0
+                try:
+                    async for chunk in leg.resp.content.iter_any():
+                        now = time.perf_counter()
+                        if first:
+                            self.metrics.itl.observe(now - t_last)
+                            t_last = now
+                            relayed_done = relayed_done or b"data: [DONE]" in chunk
+                            yield chunk
+                            continue
+                        pending += chunk
+                        if _has_token(call.route, pending):
+                            first, t_last = True, now
+                            relayed_done = b"data: [DONE]" in pending
+                            try:
+                                yield pending  # resumes once the server has sent it on
+                            finally:  # also when the client, having it all, hangs up here
+                                self._observe_first_token(call, leg, now, time.perf_counter() - now)
+                    if pending and not first:
+                        yield pending  # a stream without any token (e.g. max_tokens=0): relay as is
+                    leg.slot.answered()
+                    call.finished = True
+                    outcome = "200"
+                    return
+                except UPSTREAM_ERRORS as exc:
+                    leg.slot.failed(exc)
+                    leg.resp.close()
+                    if first:
+                        outcome = "502"
+                        log.warning("decode worker %s failed mid-stream: %s", leg.slot.worker.url, describe(exc))
+                        yield RouterError(502, f"decode worker failed mid-stream: {describe(exc)}").sse_event()
+                        return
+                    self.metrics.retries.labels("decode").inc()
+                    try:
+                        leg = await self.legs.open(call, leg.payload, leg.ctx, leg.tried, leg.t_prefill_done)
+                    except RouterError as err:
+                        outcome = str(err.status)
+                        yield err.sse_event()
+                        return
+                    if leg.resp.status != 200:
+                        outcome = str(leg.resp.status)
+                        body = await leg.resp.read()
+                        leg.slot.answered()
+                        yield UpstreamResponse(leg.resp.status, body).sse_event()
+                        return
+        finally:
+            # Runs on client disconnect too (the generator is cancelled): nothing here may await.
+            if outcome == "499" and relayed_done:  # served whole; the client left before the upstream's EOF
+                outcome = "200"
+                call.finished = True
+                leg.slot.answered()
+            # Closing (not releasing) an unfinished response drops its connection, which aborts the request.
+            leg.slot.abandon()
+            leg.resp.close()
+            self.metrics.requests.labels(call.route, outcome).inc()
+            self.end(call)
+
+    def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float, relay_s: float) -> None:
+        self.metrics.ttft.labels(call.route).observe(now - call.t0)
+        self.metrics.leg.labels("decode").observe(now - leg.t_sent)
+        own = (call.t_first_call or leg.t_sent) - call.t0 + relay_s
+        if leg.t_prefill_done is not None:
+            self.metrics.handoff.observe(now - leg.t_prefill_done)
+            own += max(0.0, leg.t_sent - leg.t_prefill_done)  # an overlapped leg went out before
+        self.metrics.overhead.observe(own)
