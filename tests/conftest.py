@@ -79,17 +79,21 @@ def _release_leaked_shared_memory() -> Iterator[None]:
 
     An engine stopped with SIGKILL cannot unlink its `psm_*` message-queue segments;
     on tmpfs they hold RAM until reboot, and a session starts a dozen engines. Only
-    segments created during this session and mapped by no live process are removed.
+    segments created during this session and mapped by no live process are removed, and
+    only ones older than a minute: an engine of another test session starting right now
+    creates its segment a moment before it maps it (seen: a segment deleted in that gap
+    killed the engine's start with `ShmRingBuffer ... has no attribute 'shared_memory'`).
     """
     started = time.time()
     yield
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return
+    settled = time.time() - 60
     in_use = _mapped_shm_names()
     for seg in shm.glob("psm_*"):
         try:
-            if seg.stat().st_mtime >= started and seg.name not in in_use:
+            if started <= seg.stat().st_mtime < settled and seg.name not in in_use:
                 seg.unlink()
         except OSError:
             continue
