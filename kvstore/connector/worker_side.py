@@ -266,12 +266,13 @@ class WorkerIO:
         # Shared memory: copy out of the arena into staging (its slots are reused once the lease
         # ends). TCP: the received frames are private already; scatter straight from them.
         dest = self._staging_views(job, staging) if staging is not None else None
+        refs = [(o.group, o.key) for o in job.objects]
         waits, start = 0, time.perf_counter()
         while True:
             health.check()  # another load may have found the store dead meanwhile
             missing = [i for i in chunk_idx if got[i] is None]
             if missing:
-                items = [(job.objects[i].group, job.objects[i].key) for i in missing]
+                items = [refs[i] for i in missing]
                 out = None if dest is None else [dest[i] for i in missing]
                 for i, data in zip(missing, client.get(self.namespace, items, out=out)):
                     got[i] = data
@@ -287,7 +288,7 @@ class WorkerIO:
                 return got
             # The producer is still uploading: the store answers when the rest has landed. In slices,
             # so a store that dies meanwhile is noticed within about a reply deadline.
-            still = [(job.objects[i].group, job.objects[i].key) for i in chunk_idx if got[i] is None]
+            still = [refs[i] for i in chunk_idx if got[i] is None]
             client.await_ready(self.namespace, still, job.tail_id if tail_pending else None, min(left, AWAIT_SLICE_S))
             waits += 1
 
