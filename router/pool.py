@@ -8,11 +8,10 @@ requests waiting for a slot; beyond that the caller gets 429 with Retry-After
 instead of an unbounded wait.
 
 A worker takes requests only while it is healthy and its circuit breaker is
-closed. A slot ends with a verdict on the worker's transport (breaker.py says
-which failures count): a refused or reset connection marks the worker unhealthy at
-once (the next passing health check brings it back), and `breaker_failures`
-transport failures in a row open its breaker for `breaker_cooldown` seconds. An
-HTTP error reply is an answer, not a failure.
+closed. A slot ends with a verdict on the worker's transport; the worker's breaker
+rules on it (breaker.py: which failures count, when the breaker opens, when a
+refused or reset connection asks for a health check or takes the worker out) and
+the pool carries the ruling out. An HTTP error reply is an answer, not a failure.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Protocol, Sequence
 
-from pdserve.router.breaker import Breaker
+from pdserve.router.breaker import Breaker, Verdict
 from pdserve.router.config import RouterConfig
 from pdserve.worker.registration import Role, WorkerRecord
 from pdserve.router.errors import RouterError, no_worker, overloaded
@@ -33,9 +32,6 @@ from pdserve.router.upstream import is_hard_failure
 log = logging.getLogger("pdserve.router.pool")
 
 Source = Literal["static", "redis"]
-# How a slot ended, for the worker's health: it answered over HTTP (any status); its transport failed
-# (unreachable: refused, reset or cut off); or no verdict (the client left, or the router gave up first).
-Verdict = Literal["answered", "failed", "unreachable", "abandoned"]
 
 
 @dataclass(eq=False)
@@ -264,17 +260,15 @@ class Pool:
         w = slot.worker
         w.inflight -= 1
         w.inflight_tokens -= slot.tokens
-        if verdict == "answered":
-            w.breaker.succeeded()
-        elif verdict in ("failed", "unreachable"):
-            if verdict == "unreachable" and self.recheck is not None:
-                self.recheck(w)  # the health check takes it out (and counts the failure) if it is down
-            elif w.breaker.failed(time.monotonic()):
-                log.warning("%s worker %s failed %d times in a row; breaker open for %g s",
-                            self.role, w.id, w.breaker.failures, w.breaker.cooldown)
-            if verdict == "unreachable" and self.recheck is None and w.healthy:
-                w.healthy = False
-                log.warning("%s worker %s unreachable; out until a health check passes", self.role, w.id)
+        ruling = w.breaker.judge(verdict, time.monotonic(), can_recheck=self.recheck is not None)
+        if ruling.recheck and self.recheck is not None:
+            self.recheck(w)  # the health check takes it out (and counts the failure) if it is down
+        if ruling.opened:
+            log.warning("%s worker %s failed %d times in a row; breaker open for %g s",
+                        self.role, w.id, w.breaker.failures, w.breaker.cooldown)
+        if ruling.take_out and w.healthy:
+            w.healthy = False
+            log.warning("%s worker %s unreachable; out until a health check passes", self.role, w.id)
         self._publish(w)
         self._wake()
 

@@ -11,7 +11,7 @@ import asyncio
 
 import aiohttp
 
-from pdserve.router.breaker import Breaker
+from pdserve.router.breaker import Breaker, Ruling
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.policies import LeastLoaded
@@ -112,3 +112,17 @@ def test_a_reset_connection_asks_for_a_health_check_instead_of_taking_the_worker
         assert not w0.healthy and w0.breaker.failures == 1
 
     asyncio.run(run())
+
+
+def test_judge_rules_on_each_verdict() -> None:
+    """The breaker alone decides what a slot's verdict means; the pool only carries the ruling out."""
+    b = Breaker(threshold=2, cooldown=5.0)
+    assert b.judge("abandoned", 0.0, can_recheck=False) == Ruling()
+    assert b.judge("failed", 0.0, can_recheck=True) == Ruling()  # one timeout: counted, not open yet
+    assert b.failures == 1
+    assert b.judge("answered", 0.0, can_recheck=False) == Ruling() and b.failures == 0
+    assert b.judge("unreachable", 0.0, can_recheck=True) == Ruling(recheck=True)  # the check counts it
+    assert b.failures == 0
+    assert b.judge("unreachable", 0.0, can_recheck=False) == Ruling(take_out=True)
+    assert b.judge("unreachable", 1.0, can_recheck=False) == Ruling(opened=True, take_out=True)
+    assert not b.closed(1.0) and b.closed(6.0)
