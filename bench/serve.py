@@ -23,7 +23,6 @@ import asyncio
 import json
 import math
 import signal
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ from tqdm import tqdm
 
 from pdserve.worker.config import split_passthrough
 from pdserve.deploy.ports import free_port
+from pdserve.bench import processes
 from pdserve.bench.engine_counters import describe_load_phases, load_phase_means, read_counters
 
 PERCENTILES = (50, 90, 99)
@@ -465,34 +465,14 @@ async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: P
 @contextmanager
 def second_router(stack: Any, *flags: str) -> Iterator[str]:
     """Another router over `stack`'s workers with extra flags (e.g. --no-pd-overlap); yields its URL."""
-    port = free_port()
-    argv = [sys.executable, "-m", "pdserve.deploy.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-            "--prefill", *stack.worker_urls("prefill"), "--decode", *stack.worker_urls("decode"),
+    argv = ["--prefill", *stack.worker_urls("prefill"), "--decode", *stack.worker_urls("decode"),
             "--pd-min-prompt-tokens", "0", *flags]
     if stack.tokenizer:
         argv += ["--tokenizer", stack.tokenizer]
     if stack.api_key:
         argv += ["--api-key", stack.api_key]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"router {' '.join(flags)} did not get ready")
-            time.sleep(0.5)
+    with processes.router(*argv) as (url, _proc):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def compare_stacks(cfg: BenchConfig) -> list[Run]:

@@ -24,6 +24,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "connector"): ("pdserve.bench.connector_ttft", "benchmark TTFT: recompute vs store vs ExampleConnector"),
     ("bench", "kernels"): ("pdserve.bench.kernels", "benchmark paged gather/scatter and fp8_ds_mla codecs on a GPU"),
     ("bench", "serve"): ("pdserve.bench.serve", "benchmark an OpenAI endpoint (TTFT, TPOT, ITL)"),
+    ("bench", "router"): ("pdserve.bench.router", "benchmark what the router adds in front of a fast stub upstream"),
     ("bench", "faults"): ("pdserve.bench.faults", "break a local stack under load; soak it (RSS, TTFT)"),
     ("ray",): ("pdserve.deploy.ray_cli", "status and teardown of a pdserve stack on Ray"),
 }

@@ -1,0 +1,224 @@
+"""`pdserve bench router`: what the router alone adds to a request, against the same upstream called directly.
+
+The upstream is `router_stub.py`, which answers at once, so the figures are the router's
+(and the load generator's, which is the same on both sides). For each concurrency level
+the same number of streamed requests goes straight to the stub and through a `pdserve
+router` in front of it, alternating round by round so drift in the machine's load lands on
+both sides. Printed per level: TTFT p50 and p99 of each side, what the router adds at p50
+and p99, requests per second of each side and their ratio, and the router's CPU time per
+request (from /proc, so a slower router is told apart from a busier machine).
+
+The load generator is aiohttp in this process, the stub and the router are child processes:
+three processes share the machine, as client, proxy and engine would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import aiohttp
+import numpy as np
+
+from pdserve.bench import processes
+from pdserve.bench.router_stub import MODEL
+from pdserve.deploy.ports import free_port
+from pdserve.worker.config import split_passthrough
+
+
+@dataclass(frozen=True)
+class RouterBenchConfig:
+    levels: tuple[int, ...] = (1, 16, 64)
+    requests: int = 2000  # per level and side, over all rounds
+    rounds: int = 2
+    warmup: int = 200
+    tokens: int = 4
+    prompt_chars: int = 512
+    route: str = "completions"
+    result: Path | None = None
+    router_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.levels or min(self.levels) < 1:
+            raise ValueError("--concurrency values must be at least 1")
+        if self.requests < self.rounds or self.rounds < 1 or self.tokens < 1 or self.warmup < 0:
+            raise ValueError("--requests must be at least --rounds (>= 1); --tokens at least 1; --warmup >= 0")
+        if self.route not in ("completions", "chat"):
+            raise ValueError("--route must be completions or chat")
+
+
+@dataclass
+class Side:
+    """One side's samples at one level, over all rounds."""
+
+    ttft: list[float]
+    seconds: float = 0.0  # wall time of its runs
+    errors: int = 0
+    router_cpu_s: float = 0.0
+
+    @property
+    def rps(self) -> float:
+        return len(self.ttft) / self.seconds if self.seconds else math.nan
+
+    def pct_ms(self, p: float) -> float:
+        return float(np.percentile(np.asarray(self.ttft) * 1000.0, p)) if self.ttft else math.nan
+
+
+def _body(cfg: RouterBenchConfig) -> bytes:
+    text = ("lorem ipsum " * (cfg.prompt_chars // 12 + 1))[: cfg.prompt_chars]
+    common = {"model": MODEL, "max_tokens": cfg.tokens, "stream": True, "temperature": 0.0}
+    if cfg.route == "chat":
+        return json.dumps({**common, "messages": [{"role": "user", "content": text}]}).encode()
+    return json.dumps({**common, "prompt": text}).encode()
+
+
+def _path(cfg: RouterBenchConfig) -> str:
+    return "/v1/chat/completions" if cfg.route == "chat" else "/v1/completions"
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes, tokens: int, marker: bytes) -> float | None:
+    """TTFT of one streamed request (None when it failed or lost tokens)."""
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    seen = b""
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return None
+        async for chunk in resp.content.iter_any():
+            if ttft is None and marker in chunk:
+                ttft = time.perf_counter() - t0
+            seen += chunk
+    if seen.count(marker) != tokens or not seen.endswith(b"data: [DONE]\n\n"):
+        return None
+    return ttft
+
+
+async def _run(url: str, body: bytes, cfg: RouterBenchConfig, concurrency: int, count: int, side: Side) -> None:
+    """`count` requests at `concurrency` in flight, added to `side`."""
+    marker = b'"content":" t' if cfg.route == "chat" else b'"text":" t'
+    connector = aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=60.0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60.0)) as session:
+        todo = iter(range(count))
+
+        async def worker() -> None:
+            for _ in todo:
+                try:
+                    ttft = await _one(session, url, body, cfg.tokens, marker)
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    ttft = None
+                if ttft is None:
+                    side.errors += 1
+                else:
+                    side.ttft.append(ttft)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        side.seconds += time.perf_counter() - start
+
+
+async def _measure(cfg: RouterBenchConfig, stub_url: str, router_url: str, router_pid: int) -> list[dict[str, Any]]:
+    body, path = _body(cfg), _path(cfg)
+    await _run(stub_url + path, body, cfg, 4, cfg.warmup, Side([]))
+    await _run(router_url + path, body, cfg, 4, cfg.warmup, Side([]))
+    rows = []
+    for conc in cfg.levels:
+        direct, routed = Side([]), Side([])
+        per_round = cfg.requests // cfg.rounds
+        for _ in range(cfg.rounds):
+            await _run(stub_url + path, body, cfg, conc, per_round, direct)
+            cpu = processes.cpu_seconds(router_pid)
+            await _run(router_url + path, body, cfg, conc, per_round, routed)
+            routed.router_cpu_s += processes.cpu_seconds(router_pid) - cpu
+        rows.append(_row(conc, direct, routed))
+    return rows
+
+
+def _row(conc: int, direct: Side, routed: Side) -> dict[str, Any]:
+    added50 = routed.pct_ms(50) - direct.pct_ms(50)
+    added99 = routed.pct_ms(99) - direct.pct_ms(99)
+    return {
+        "concurrency": conc,
+        "direct_ttft_p50_ms": direct.pct_ms(50), "direct_ttft_p99_ms": direct.pct_ms(99),
+        "router_ttft_p50_ms": routed.pct_ms(50), "router_ttft_p99_ms": routed.pct_ms(99),
+        "added_p50_ms": added50, "added_p99_ms": added99,
+        "added_p99_over_p50": added99 / added50 if added50 > 0 else math.nan,
+        "direct_rps": direct.rps, "router_rps": routed.rps,
+        "rps_ratio": routed.rps / direct.rps if direct.rps else math.nan,
+        "router_cpu_ms_per_request": 1000.0 * routed.router_cpu_s / max(1, len(routed.ttft)),
+        "errors": direct.errors + routed.errors,
+    }
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    print(f"{'conc':>5}{'direct p50':>12}{'p99':>8}{'router p50':>12}{'p99':>8}{'added p50':>11}{'p99':>8}"
+          f"{'p99/p50':>9}{'direct rps':>12}{'router rps':>12}{'ratio':>7}{'router CPU ms/req':>19}{'errors':>8}")
+    for r in rows:
+        print(f"{r['concurrency']:>5}{r['direct_ttft_p50_ms']:>12.2f}{r['direct_ttft_p99_ms']:>8.2f}"
+              f"{r['router_ttft_p50_ms']:>12.2f}{r['router_ttft_p99_ms']:>8.2f}{r['added_p50_ms']:>11.2f}"
+              f"{r['added_p99_ms']:>8.2f}{r['added_p99_over_p50']:>9.2f}{r['direct_rps']:>12.0f}"
+              f"{r['router_rps']:>12.0f}{r['rps_ratio']:>7.2f}{r['router_cpu_ms_per_request']:>19.3f}{r['errors']:>8}")
+
+
+def run(cfg: RouterBenchConfig) -> list[dict[str, Any]]:
+    """Start the stub and a router in front of it, measure every level, stop both."""
+    stub_port = free_port()
+    stub_url = f"http://127.0.0.1:{stub_port}"
+    stub_argv = [sys.executable, "-m", "pdserve.bench.router_stub", "--port", str(stub_port),
+                 "--tokens", str(cfg.tokens)]
+    with processes.service(stub_argv, f"{stub_url}/health", "router stub"), \
+            processes.router("--decode", stub_url, "--log-level", "warning", *cfg.router_args) as (router_url, proc):
+        return asyncio.run(_measure(cfg, stub_url, router_url, proc.pid))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterBenchConfig.__dataclass_fields__
+    p = argparse.ArgumentParser(
+        prog="pdserve bench router",
+        description="The router alone in front of a fast stub upstream, against the stub called directly: "
+                    "added TTFT p50/p99 and requests/s per concurrency. Arguments after `--` go to the router.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=list(d["levels"].default))
+    p.add_argument("--requests", type=int, default=d["requests"].default, help="per level and side")
+    p.add_argument("--rounds", type=int, default=d["rounds"].default,
+                   help="direct and router runs alternate this many times per level")
+    p.add_argument("--warmup", type=int, default=d["warmup"].default, help="unmeasured requests to each side first")
+    p.add_argument("--tokens", type=int, default=d["tokens"].default, help="token events per answer")
+    p.add_argument("--prompt-chars", type=int, default=d["prompt_chars"].default)
+    p.add_argument("--route", choices=("completions", "chat"), default=d["route"].default)
+    p.add_argument("--result", type=Path, default=None, help="also write the rows to this JSON file")
+    return p
+
+
+def config_from_args(argv: Sequence[str]) -> RouterBenchConfig:
+    argv, router_args = split_passthrough(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        return RouterBenchConfig(levels=tuple(a.concurrency), requests=a.requests, rounds=a.rounds, warmup=a.warmup,
+                                 tokens=a.tokens, prompt_chars=a.prompt_chars, route=a.route, result=a.result,
+                                 router_args=tuple(router_args))
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = config_from_args(sys.argv[1:] if argv is None else argv)
+    try:
+        rows = run(cfg)
+    except (RuntimeError, OSError) as exc:
+        print(f"pdserve bench router: {exc}", file=sys.stderr)
+        return 1
+    print_rows(rows)
+    if cfg.result is not None:
+        cfg.result.write_text(json.dumps({"config": {**asdict(cfg), "result": str(cfg.result)}, "rows": rows},
+                                         indent=2) + "\n")
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
