@@ -78,19 +78,43 @@ def test_a_load_that_breaks_is_reported_failed_not_lost() -> None:
         store.stop()
 
 
-def test_staging_pool_reuses_buffers_across_loads_and_stays_bounded() -> None:
-    """Loads on any thread reuse one staging buffer (pinning a new one is slow on a GPU host);
-    a larger load replaces a smaller free buffer instead of growing the pool."""
-    from pdserve.kvstore.connector.worker_side import StagingPool
+def test_arena_pins_register_granules_on_first_use_and_split_payloads_at_their_edges() -> None:
+    """A payload is pinned where it lies in the store's arena: only the granules it touches are
+    registered (once), a payload across a granule edge comes as one piece per granule, and the
+    registrations go when the arena is unmapped. The driver calls are recorded here (no GPU)."""
+    from pdserve.kvstore.client.shm import GRANULE, Arena
+    from pdserve.kvstore.connector import host_pins
 
-    pool = StagingPool(pinned=False)
-    a = pool.take(100)
-    pool.give(a)
-    assert pool.take(80) is a  # reused, not reallocated
-    b = pool.take(50)  # a is in use: a second buffer
-    pool.give(a)
-    pool.give(b)
-    big = pool.take(1000)  # nothing fits: the smallest free buffer makes room for a new one
-    assert big.numel() >= 1000 and big is not a and big is not b
-    pool.give(big)
-    assert sorted(buf.numel() for buf in pool._free) == [100, 1000]
+    arena = Arena.create(3 * GRANULE, shared=False)
+    calls: list[tuple[str, int, int]] = []
+    pins = host_pins.ArenaPins(
+        arena, lambda a, n: calls.append(("reg", a - arena.address, n)) is None,
+        lambda a: calls.append(("unreg", a - arena.address, 0)),
+    )
+    arena.view[GRANULE - 10 : GRANULE + 10] = bytes(range(20))
+    pieces = pins.pieces(arena.slice(GRANULE - 10, 20))
+    assert pieces is not None and [p.numel() for p in pieces] == [10, 10]
+    assert bytes(torch.cat(pieces).numpy()) == bytes(range(20))
+    assert calls == [("reg", 0, GRANULE), ("reg", GRANULE, GRANULE)]
+    assert pins.pieces(arena.slice(10, 100)) is not None and len(calls) == 2  # already registered
+    assert pins.pieces(memoryview(bytearray(100))) is None  # not in the arena: staged by the caller
+    pins.release()
+    assert calls[2:] == [("unreg", 0, 0), ("unreg", GRANULE, 0)]
+    assert pins.pieces(arena.slice(10, 100)) is None  # released: nothing is pinned any more
+    arena.close()
+
+
+def test_arena_pins_step_aside_when_the_driver_refuses() -> None:
+    """A refused registration (e.g. a locked-memory limit) turns pins off for the process; loads
+    are then staged, never failed."""
+    from pdserve.kvstore.client.shm import GRANULE, Arena
+    from pdserve.kvstore.connector import host_pins
+
+    arena = Arena.create(GRANULE, shared=False)
+    try:
+        pins = host_pins.ArenaPins(arena, lambda a, n: False, lambda a: None)
+        assert pins.pieces(arena.slice(0, 64)) is None
+        assert host_pins._refused
+    finally:
+        host_pins._refused = False
+        arena.close()

@@ -154,3 +154,64 @@ def test_a_save_reads_what_the_engine_wrote_before_it() -> None:
         view[blocks] = 0x33  # the next step reuses the blocks
     torch.cuda.synchronize()
     assert bool((saved == 0x5A).all()), "the saved bytes changed after wait_for_save returned"
+
+
+def test_a_same_host_load_uploads_straight_from_the_store_arena() -> None:
+    """Over shared memory the upload reads the store's page-locked arena (no staging buffer is
+    ever allocated); over TCP the frames are staged. Both land the same bytes."""
+    from pdserve.kvstore.connector import host_pins
+    from pdserve.kvstore.connector.cache import GroupCache
+    from pdserve.kvstore.connector.plan import ObjectSpec, TransferJob
+    from pdserve.kvstore.connector.worker_side import WorkerIO
+
+    src = GroupCache(_layers([656, 132]))
+    blocks = [1, 7, 3, 12]
+    _fill(src, blocks, seed=5)
+    store, ns = _store_with({b"s" * 16: src.gather(blocks)})
+    try:
+        for shm in (None, False):
+            dst = GroupCache(_layers([656, 132]))
+            io = WorkerIO({"url": store.url, "shm": shm}, ns, [dst], writes=False)
+            try:
+                dst.fence()
+                io.load(TransferJob("r", [ObjectSpec(0, b"s" * 16, blocks)]))
+                done: list = []
+                for _ in range(600):
+                    done += io.finished_loads(wait_s=0.1)
+                    if done:
+                        break
+                assert done and done[0].ok
+            finally:
+                io.close()
+            for a, b in zip(src.views, dst.views):
+                assert torch.equal(a[blocks], b[blocks])
+            if shm is None:
+                assert dst._pinned is None, "a same-host load was staged"
+                assert any(p._granules for p in host_pins._by_arena.values())
+            else:
+                assert dst._pinned is not None
+    finally:
+        store.stop()
+
+
+def test_a_payload_across_granules_uploads_piece_by_piece() -> None:
+    """Registrations are per 64 MiB granule; a payload that spans two is uploaded in two pieces."""
+    from pdserve.kvstore.client.shm import GRANULE, Arena
+    from pdserve.kvstore.connector.cache import GroupCache
+    from pdserve.kvstore.connector.host_pins import ArenaPins
+
+    arena = Arena.create(2 * GRANULE, shared=False)
+    pins = ArenaPins(arena)
+    try:
+        data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+        start = GRANULE - (1 << 20)
+        arena.view[start : start + data.numel()] = data.numpy().tobytes()
+        pieces = pins.pieces(arena.slice(start, data.numel()))
+        assert pieces is not None and len(pieces) == 2 and all(p.is_pinned() for p in pieces)
+        cache = GroupCache(_layers([656]))
+        on_gpu = cache._upload(pieces, data.numel())
+        torch.cuda.synchronize()
+        assert torch.equal(on_gpu.cpu(), data)
+    finally:
+        pins.release()
+        arena.close()

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything exporting a contiguous buffer
 T = TypeVar("T")
+# Reads payloads in place: called with positions and verified views, valid only during the call.
+Visitor = Callable[[list[int], list[memoryview]], None]
 
 
 class KVStoreError(RuntimeError):
@@ -92,6 +94,13 @@ def _expect(got: _Reply | None, kind: type[T], url: str) -> T:
     if not isinstance(rep, kind):
         raise KVStoreError(f"kvstore {url}: expected a {kind.__name__} reply, got {type(rep).__name__}")
     return rep
+
+
+def _indexed(visit: Visitor | None, names: Sequence[int]) -> Visitor | None:
+    """`visit` called with `names[i]` for a reply part's position i (item indexes, tail groups)."""
+    if visit is None:
+        return None
+    return lambda positions, views: visit([names[i] for i in positions], views)
 
 
 def _fresh(size: int) -> memoryview:
@@ -278,8 +287,11 @@ class _Ops:
     # ------------------------------------------------------------ get
 
     def get(
-        self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None
+        self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None,
+        visit: Visitor | None = None,
     ) -> _Op[list[memoryview | None]]:
+        """With `visit`, nothing is copied: each reply part's verified payloads are handed to it in
+        place (arena slices or frames) while still leased; the views returned are then not usable."""
         yield from self.info()
         if out is not None and len(out) != len(items):
             raise KVStoreError(f"{len(out)} output buffers for {len(items)} items")
@@ -297,7 +309,7 @@ class _Ops:
                 part = pending[done : done + len(rep.items)]
                 keys = [(ns, *items[i]) for i in part]
                 outs = None if out is None else [out[i] for i in part]
-                views = yield from self._receive(rep.items, keys, got[1], outs)
+                views = yield from self._receive(rep.items, keys, got[1], outs, _indexed(visit, part))
                 for i, view in zip(part, views):
                     results[i] = view
                 progress = progress or any(f is not None for f in rep.items)
@@ -320,8 +332,9 @@ class _Ops:
         return rep.present, rep.tail
 
     def get_tail(
-        self, ns: str, request_id: str, out: dict[int, Buffer] | None = None
+        self, ns: str, request_id: str, out: dict[int, Buffer] | None = None, visit: Visitor | None = None
     ) -> _Op[dict[int, memoryview] | None]:
+        """`visit` as for `get`, called with the tail's groups (not item indexes)."""
         yield from self.info()
         got = yield _Send(p.GetTail(ns=ns, request_id=request_id, shm=self.nonce))
         rep = _expect(got, p.TailLoaded, self.url)
@@ -329,7 +342,8 @@ class _Ops:
             return None
         _check_len(rep.items, rep.groups, self.url)
         outs = None if out is None else [out[g] for g in rep.groups]
-        views = yield from self._receive(list(rep.items), [(ns, g, b"") for g in rep.groups], got[1], outs)
+        keys = [(ns, g, b"") for g in rep.groups]
+        views = yield from self._receive(list(rep.items), keys, got[1], outs, _indexed(visit, list(rep.groups)))
         if any(v is None for v in views):
             return None
         return dict(zip(rep.groups, views))
@@ -340,8 +354,10 @@ class _Ops:
         keys: Sequence[tuple[str, int, bytes]],
         frames: list[zmq.Frame],
         out: Sequence[Buffer] | None,
+        visit: Visitor | None = None,
     ) -> _Op[list[memoryview | None]]:
-        """Turn found items into verified views; release shm leases and report corrupt payloads."""
+        """Turn found items into verified views (visited in place, when `visit` is given); release
+        shm leases and report corrupt payloads."""
         hits = [(i, f) for i, f in enumerate(found) if f is not None]
         shm = any(f.offset >= 0 for _, f in hits)
         if shm:
@@ -355,7 +371,9 @@ class _Ops:
             if len(src) != f.size:
                 raise KVStoreError(f"kvstore {self.url}: {len(src)} bytes for a {f.size}-byte object")
         dsts: list[memoryview] | None = None
-        if out is not None:
+        if visit is not None:
+            pass  # read in place: the lease keeps the arena slices ours until the visit returns
+        elif out is not None:
             dsts = [_out_view(out[i], f.size, i) for i, f in hits]
         elif shm:
             dsts = [_fresh(f.size) for _, f in hits]  # the arena slice is reused once the lease ends
@@ -370,8 +388,13 @@ class _Ops:
                 corrupt.append(p.Corrupt(ns, group, key, f.obj))
                 log.warning("kvstore %s: checksum mismatch on %s/%d, treated as a miss", self.url, ns, group)
         leases = [f.lease for _, f in hits] if shm else []
-        if leases or corrupt:
-            yield _Send(p.Release(leases=leases, corrupt=corrupt), reply=False)
+        try:
+            verified = [(i, v) for i, v in enumerate(results) if v is not None]
+            if visit is not None and verified:
+                visit([i for i, _ in verified], [v for _, v in verified])
+        finally:
+            if leases or corrupt:
+                yield _Send(p.Release(leases=leases, corrupt=corrupt), reply=False)
         return results
 
 
@@ -506,6 +529,19 @@ class KVStoreClient:
         """`out`: optional destination buffers (one per item, at least the object's size) to load into."""
         return self._run(self._ops.get, ns, items, out)
 
+    def read(self, ns: str, items: Sequence[tuple[int, bytes]], visit: Visitor) -> list[bool]:
+        """Which items were found and handed to `visit(item indexes, views)` without a copy.
+
+        The views are the payloads where they lie (a same-host store's arena, or the received
+        frames), verified against their checksums, and leased to this client only while `visit`
+        runs: it must be done with them (e.g. its device copy complete) when it returns. A
+        corrupt payload is never visited and counts as not found."""
+        return [v is not None for v in self._run(self._ops.get, ns, items, None, visit)]
+
+    def read_tail(self, ns: str, request_id: str, visit: Visitor) -> bool:
+        """Whether the tail was found whole and visited (`visit(groups, views)`, as for `read`)."""
+        return self._run(self._ops.get_tail, ns, request_id, None, visit) is not None
+
     def put_tail(
         self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None
     ) -> None:
@@ -532,6 +568,11 @@ class KVStoreClient:
     @property
     def uses_shm(self) -> bool:
         return self._ops.arena is not None
+
+    @property
+    def arena(self) -> Arena | None:
+        """The store's shared-memory arena as this process maps it (after the first call), if on this host."""
+        return self._ops.arena
 
     def close(self) -> None:
         self._reset()

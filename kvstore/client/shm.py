@@ -23,6 +23,9 @@ import re
 import secrets
 import threading
 from pathlib import Path
+from typing import Callable
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,7 @@ class Arena:
         self._mapped = bytearray(b"\1" * granules if mapped else granules)  # 1: page tables populated
         self._users = 1  # clients sharing this mapping (see attach); the last close unmaps it
         self._key: tuple[str, str, int] | None = None  # its entry in _attached, for a client mapping
+        self._before_unmap: list[Callable[[], None]] = []
 
     @classmethod
     def create(cls, size: int, shared: bool = True) -> "Arena":
@@ -124,6 +128,15 @@ class Arena:
             raise ArenaError(f"{path} belongs to another server (nonce mismatch)")
         return cls(mm, size, Path(path), nonce, owner=False)
 
+    @property
+    def address(self) -> int:
+        """Where the data area starts in this process's address space (for device-side registration)."""
+        return int(np.frombuffer(self.view, dtype=np.uint8, count=1).ctypes.data) if self.size else 0
+
+    def before_unmap(self, hook: Callable[[], None]) -> None:
+        """Run `hook` just before this mapping goes away (e.g. to unregister it from a GPU driver)."""
+        self._before_unmap.append(hook)
+
     def slice(self, offset: int, size: int) -> memoryview:
         """A bounds-checked view of [offset, offset+size) of the data area, its pages mapped."""
         if offset < 0 or size < 0 or offset + size > self.size:
@@ -156,6 +169,11 @@ class Arena:
                 return
             if self._key is not None:
                 _attached.pop(self._key, None)
+        for hook in self._before_unmap:
+            try:
+                hook()
+            except Exception:  # an unmap must happen whatever a hook does
+                log.exception("arena unmap hook failed")
         try:
             self.view.release()
             self._mm.close()

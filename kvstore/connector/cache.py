@@ -12,7 +12,9 @@ stream order is explicit, because the save and load run beside the engine's forw
 - a scatter runs on the group's own load stream, after a fence the connector records
   on the engine's stream in `start_load_kv` (the blocks may have been another request's
   a moment ago), and returns only once the copy is complete: the load thread reports the
-  request received after that, never before.
+  request received after that, never before (and only then gives the payloads' store
+  leases back: a payload in the store's page-locked arena is uploaded where it lies,
+  see host_pins.py).
 Elsewhere (the CPU engine) the same calls are torch copies.
 
 A group's layers may differ in width (DeepSeek-V3.2: the 656-byte fp8_ds_mla latent and
@@ -28,6 +30,9 @@ from typing import Callable
 import torch
 
 from pdserve.kvstore.connector.plan import UNALLOCATED
+
+# A payload as page-locked host pieces the GPU can read asynchronously, or None (see host_pins.py).
+Pinner = Callable[[memoryview], "list[torch.Tensor] | None"]
 
 
 def _paged_ops() -> tuple[Callable, Callable] | None:
@@ -154,9 +159,10 @@ class GroupCache:
         """Write an object back, leaving its first `skip` blocks untouched; complete on return."""
         self.scatter_objects([(payload, block_ids, skip)])
 
-    def scatter_objects(self, objects: list[tuple[memoryview, list[int], int]]) -> None:
+    def scatter_objects(self, objects: list[tuple[memoryview, list[int], int]], pins: Pinner | None = None) -> None:
         """Write several objects back (payload, block ids, leading blocks to leave alone), complete
-        on return: on CUDA one staged upload, the copies queued back to back, one wait."""
+        on return: on CUDA the uploads (straight from page-locked memory where `pins` says the
+        payload is, else staged), the copies queued back to back, one wait."""
         start = time.perf_counter()
         targets = [[i for i in range(skip, len(ids)) if ids[i] != UNALLOCATED] for _, ids, skip in objects]
         flat = [ids[i] for (_, ids, _), keep in zip(objects, targets) for i in keep]
@@ -166,32 +172,54 @@ class GroupCache:
             self._scatter_all(objects, targets, self._ids(flat), payloads)
         else:
             assert self._ops is not None and self._stream is not None
-            host = self._pinned_payloads(objects, sizes)
+            host = self._pinned_payloads(objects, sizes, pins)
             with torch.cuda.stream(self._stream):
                 if self._fence is not None:
                     self._stream.wait_event(self._fence)
                 # From pinned memory, so the uploads are asynchronous too: only the synchronize
                 # below orders the load.
-                on_gpu = [t.to(self.device, non_blocking=True) for t in host]
+                on_gpu = [self._upload(pieces, size) for pieces, size in zip(host, sizes)]
                 self._scatter_all(objects, targets, self._ids(flat), on_gpu)
             # Reported received only once the bytes are in the paged cache (and the staging is free).
             self._stream.synchronize()
         self.copy_counts["scatter_bytes"] += sum(sizes)
         self.copy_counts["scatter_seconds"] += time.perf_counter() - start
 
-    def _pinned_payloads(self, objects: list[tuple[memoryview, list[int], int]], sizes: list[int]) -> list[torch.Tensor]:
-        """The payloads in pinned memory: as they are when the store copied them into a pinned
-        buffer (shared memory path), else staged into this group's reused pinned buffer."""
-        payloads = [torch.frombuffer(payload, dtype=torch.uint8) for payload, _, _ in objects]
-        if all(t.is_pinned() for t in payloads):
-            return payloads
-        total = sum(sizes)
-        if self._pinned is None or self._pinned.numel() < total:
+    def _pinned_payloads(
+        self, objects: list[tuple[memoryview, list[int], int]], sizes: list[int], pins: Pinner | None
+    ) -> list[list[torch.Tensor]]:
+        """Each payload as pinned host pieces: where it lies when `pins` can page-lock it (the
+        store's arena) or it is pinned already, else staged into this group's reused buffer."""
+        pieces: list[list[torch.Tensor] | None] = []
+        for payload, _, _ in objects:
+            found = pins(payload) if pins is not None else None
+            if found is None:
+                whole = torch.frombuffer(payload, dtype=torch.uint8)
+                found = [whole] if whole.is_pinned() else None
+            pieces.append(found)
+        unpinned = [i for i, found in enumerate(pieces) if found is None]
+        total = sum(sizes[i] for i in unpinned)
+        if total and (self._pinned is None or self._pinned.numel() < total):
             self._pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True)
-        staged = list(self._pinned[:total].split(sizes))
-        for dst, src in zip(staged, payloads):
-            dst.copy_(src)
-        return staged
+        offset = 0
+        for i in unpinned:
+            assert self._pinned is not None
+            staged = self._pinned[offset : offset + sizes[i]]
+            offset += sizes[i]
+            staged.copy_(torch.frombuffer(objects[i][0], dtype=torch.uint8))
+            pieces[i] = [staged]
+        return [found for found in pieces if found is not None]
+
+    def _upload(self, pieces: list[torch.Tensor], size: int) -> torch.Tensor:
+        """One payload on the device from its pinned host pieces (queued on the current stream)."""
+        if len(pieces) == 1:
+            return pieces[0].to(self.device, non_blocking=True)
+        out = torch.empty(size, dtype=torch.uint8, device=self.device)
+        offset = 0
+        for piece in pieces:
+            out[offset : offset + piece.numel()].copy_(piece, non_blocking=True)
+            offset += piece.numel()
+        return out
 
     def _scatter_all(self, objects: list[tuple[memoryview, list[int], int]], targets: list[list[int]],
                      ids: torch.Tensor, payloads: list[torch.Tensor]) -> None:

@@ -5,6 +5,9 @@ are free as soon as the step ends) and upload on a background thread. Loads run 
 a few background threads, so one request waiting for its producer's upload (or for
 a store that stopped answering) holds up no other: fetch the objects, check every
 size, scatter into the blocks vLLM allocated, then report the request as received.
+The scatter reads each payload where the store client has it (a same-host store's
+arena, leased while the copy runs; or the received frames), so a load copies its
+bytes once on the host side at most (host_pins.py: none, on CUDA).
 A missing or corrupt object is a load error for exactly the blocks it covers, never
 data. Every store is a fault domain (kvstore/client/health.py): a store that misses a deadline
 is marked down, and loads and saves on it fail at once until it answers again.
@@ -23,7 +26,8 @@ from typing import Any
 import torch
 
 from pdserve.kvstore.client.client import KVStoreClient, KVStoreError, KVStoreUnavailable
-from pdserve.kvstore.connector.cache import GroupCache
+from pdserve.kvstore.connector.cache import GroupCache, Pinner
+from pdserve.kvstore.connector.host_pins import pins_of
 from pdserve.kvstore.connector.plan import UNALLOCATED, ObjectSpec, TransferJob
 from pdserve.kvstore.connector.counters import StatsCounter
 from pdserve.kvstore.client.health import StoreDown, StoreHealth, health_of
@@ -44,40 +48,8 @@ AWAIT_SLICE_S = 0.5
 # reports it the moment it lands; the bound keeps a new arrival's wait short.
 IDLE_WAIT_S = 0.01
 NULL_BLOCK = 0
-# Loads in progress at once (each thread has its own clients; staging buffers come from a shared pool).
+# Loads in progress at once (each thread has its own clients).
 LOAD_THREADS = 4
-
-
-class StagingPool:
-    """Host buffers the store copies loads into, shared by the load threads.
-
-    Pinned when the caches are on a GPU (the upload then reads straight from them), and
-    pinning is slow to allocate (measured on the H200 host: a 150 MB buffer cost about
-    100 ms), so buffers are kept and reused by whichever thread loads next, instead of each
-    thread paying for its own. Each load holds one buffer, so there are never more than
-    the load threads.
-    """
-
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least `nbytes`: the smallest free one that fits, else a new one
-        (replacing a free one that is too small, so the pool does not grow past the loads)."""
-        with self._lock:
-            order = sorted(range(len(self._free)), key=lambda i: self._free[i].numel())  # smallest first
-            fits = [i for i in order if self._free[i].numel() >= nbytes]
-            if fits:
-                return self._free.pop(fits[0])
-            if self._free:
-                self._free.pop(order[0])
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            self._free.append(buf)
 
 
 def _log_failure(exc: Exception, what: str) -> None:
@@ -127,7 +99,7 @@ class WorkerIO:
         self._loads: queue.Queue[tuple[TransferJob, float] | None] = queue.Queue()  # (job, when handed over)
         self._done: queue.Queue[LoadOutcome] = queue.Queue()
         self.stats = StatsCounter()
-        self._staging = StagingPool(pinned=any(group.cuda for group in groups))
+        self._cuda = any(group.cuda for group in groups)
         self._write_lock = threading.Lock()  # one scatter into the paged cache at a time
         self._foreign_stores: set[tuple[str | None, str]] = set()  # (url, id) mismatches already logged
         self._in_flight = 0  # loads handed to the load threads and not yet reported
@@ -254,83 +226,70 @@ class WorkerIO:
             )
         return 0.0
 
-    def _fetch(self, client: KVStoreClient, job: TransferJob, health: StoreHealth,
-               staging: torch.Tensor | None) -> list[memoryview | None]:
-        """Fetch every object (into `staging`, if given), waiting up to job.wait_s for ones a producer
-        is still uploading."""
-        deadline = time.monotonic() + self._wait_budget(client, job)
+    def _load_one(self, client: KVStoreClient, job: TransferJob, health: StoreHealth) -> LoadOutcome:
+        """Fetch every object, waiting up to job.wait_s for ones a producer is still uploading, and
+        scatter what each round finds into the paged cache straight from where the client has it."""
+        deadline = time.monotonic() + self._wait_budget(client, job)  # (its info() maps a same-host arena)
+        pins = pins_of(client.arena).pieces if client.arena is not None and self._cuda else None
+        outcome = LoadOutcome(job.req_id)
+        done = [False] * len(job.objects)  # loaded, or found unusable: not asked for again
         chunk_idx = [i for i, o in enumerate(job.objects) if o.key is not None]
-        tail_idx = [i for i, o in enumerate(job.objects) if o.key is None]
-        got: list[memoryview | None] = [None] * len(job.objects)
-        tail_pending = bool(tail_idx and job.tail_id)
-        # Shared memory: copy out of the arena into staging (its slots are reused once the lease
-        # ends). TCP: the received frames are private already; scatter straight from them.
-        dest = self._staging_views(job, staging) if staging is not None else None
+        tail_of_group = {job.objects[i].group: i for i, o in enumerate(job.objects) if o.key is None}
+        tail_pending = bool(tail_of_group and job.tail_id)
         refs = [(o.group, o.key) for o in job.objects]
-        waits, start = 0, time.perf_counter()
+        waits, start, scatter_s = 0, time.perf_counter(), 0.0
+
+        def scatter(indexes: list[int], views: list[memoryview]) -> None:
+            nonlocal scatter_s
+            t = time.perf_counter()
+            self._scatter_found(job, indexes, views, outcome, done, pins)
+            scatter_s += time.perf_counter() - t
+
         while True:
             health.check()  # another load may have found the store dead meanwhile
-            missing = [i for i in chunk_idx if got[i] is None]
+            missing = [i for i in chunk_idx if not done[i]]
             if missing:
-                items = [refs[i] for i in missing]
-                out = None if dest is None else [dest[i] for i in missing]
-                for i, data in zip(missing, client.get(self.namespace, items, out=out)):
-                    got[i] = data
-            if tail_pending:
-                tail = client.get_tail(self.namespace, job.tail_id)
-                if tail is not None:
-                    tail_pending = False
-                    for i in tail_idx:
-                        got[i] = tail.get(job.objects[i].group)
+                client.read(self.namespace, [refs[i] for i in missing],
+                            lambda pos, views: scatter([missing[j] for j in pos], views))
+            if tail_pending and client.read_tail(self.namespace, job.tail_id or "",
+                                                 lambda groups, views: scatter([tail_of_group[g] for g in groups], views)):
+                tail_pending = False
             left = deadline - time.monotonic()
-            if (all(got[i] is not None for i in chunk_idx) and not tail_pending) or left <= 0:
-                self.stats.add(load_fetch_seconds=time.perf_counter() - start, load_fetch_waits=waits)
-                return got
+            if (all(done[i] for i in chunk_idx) and not tail_pending) or left <= 0:
+                break
             # The producer is still uploading: the store answers when the rest has landed. In slices,
             # so a store that dies meanwhile is noticed within about a reply deadline.
-            still = [refs[i] for i in chunk_idx if got[i] is None]
+            still = [refs[i] for i in chunk_idx if not done[i]]
             client.await_ready(self.namespace, still, job.tail_id if tail_pending else None, min(left, AWAIT_SLICE_S))
             waits += 1
-
-    def _object_sizes(self, job: TransferJob) -> list[int]:
-        return [self.groups[o.group].object_bytes(len(o.block_ids)) for o in job.objects]
-
-    def _staging_views(self, job: TransferJob, staging: torch.Tensor) -> list:
-        """The job's objects' places in one staging buffer: the store copies straight into them."""
-        views, offset = [], 0
-        for size in self._object_sizes(job):
-            views.append(staging[offset : offset + size].numpy())
-            offset += size
-        return views
-
-    def _load_one(self, client: KVStoreClient, job: TransferJob, health: StoreHealth) -> LoadOutcome:
-        client.info()  # maps the store's arena when it is on this host (then uses_shm)
-        staging = self._staging.take(sum(self._object_sizes(job))) if client.uses_shm else None
-        try:
-            return self._load_into_cache(client, job, health, staging)
-        finally:  # the copy into the paged cache is complete: the buffer is free for the next load
-            if staging is not None:
-                self._staging.give(staging)
-
-    def _load_into_cache(self, client: KVStoreClient, job: TransferJob, health: StoreHealth,
-                         staging: torch.Tensor | None) -> LoadOutcome:
-        outcome = LoadOutcome(job.req_id)
-        fetched = self._fetch(client, job, health, staging)
-        usable = [i for i, (spec, data) in enumerate(zip(job.objects, fetched)) if self._usable(spec, data)]
-        for i, (spec, data) in enumerate(zip(job.objects, fetched)):
-            if i not in usable:
+        self.stats.add(load_fetch_seconds=time.perf_counter() - start - scatter_s, load_fetch_waits=waits)
+        for i, spec in enumerate(job.objects):
+            if not done[i]:  # missing (or its tail never came): vLLM recomputes those blocks
                 outcome.ok = False
                 outcome.failed_block_ids.update(_targets(spec))
-        with self._write_lock:  # one group's objects in one copy-in
-            for group, members in _by_group([job.objects[i] for i in usable]).items():
-                chosen = [usable[m] for m in members]
-                self.groups[group].scatter_objects(
-                    [(fetched[i], job.objects[i].block_ids, job.objects[i].skip_blocks) for i in chosen]
-                )
-                outcome.loaded_bytes += sum(len(fetched[i]) for i in chosen)
         if not outcome.ok:
             log.warning("load of %s: %d blocks missing or corrupt, vLLM recomputes them", job.req_id, len(outcome.failed_block_ids))
         return outcome
+
+    def _scatter_found(self, job: TransferJob, indexes: list[int], views: list[memoryview], outcome: LoadOutcome,
+                       done: list[bool], pins: Pinner | None) -> None:
+        """Write the objects a read found (verified, still leased) into their blocks, complete on return."""
+        usable = []
+        for i, data in zip(indexes, views):
+            if self._usable(job.objects[i], data):
+                usable.append((i, data))
+            else:
+                outcome.ok = False
+                outcome.failed_block_ids.update(_targets(job.objects[i]))
+        with self._write_lock:  # one group's objects in one copy-in
+            for group, members in _by_group([job.objects[i] for i, _ in usable]).items():
+                chosen = [usable[m] for m in members]
+                self.groups[group].scatter_objects(
+                    [(data, job.objects[i].block_ids, job.objects[i].skip_blocks) for i, data in chosen], pins
+                )
+                outcome.loaded_bytes += sum(len(data) for _, data in chosen)
+        for i in indexes:
+            done[i] = True
 
     def _usable(self, spec: ObjectSpec, data: memoryview | None) -> bool:
         """A fetched object may be written: present, over real blocks, and of the size its blocks hold."""
