@@ -486,6 +486,7 @@ def serve(stack: LocalStack, stop: StopFlag, demo: bool = True) -> int:
     finally:
         print("stopping...", flush=True)
         stack.stop()
+        stop.ignore_from_now()
         print("stopped", flush=True)
     return code
 

@@ -146,6 +146,14 @@ def test_stop_flag_wakes_its_waiter_on_signals_from_another_thread(stop_flag: St
     assert stop_flag.signum in (signal.SIGINT, signal.SIGTERM)
 
 
+def test_once_stopped_later_stop_signals_are_ignored(stop_flag: StopFlag) -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop_flag.wait(HANG_S)
+    stop_flag.ignore_from_now()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    os.kill(os.getpid(), signal.SIGTERM)  # would end this test session under the default handler
+
+
 # Runs `serve` (what `pdserve up` runs) over two cheap children. A profiler hook sends one
 # more SIGTERM each time a C function returns inside the running signal handler; os.kill runs
 # the nested handler at once. A handler that takes a lock (threading.Event.set, the old code)
@@ -202,6 +210,36 @@ def test_burst_of_signals_stops_an_up_like_parent_cleanly(tmp_path: Path) -> Non
     assert proc.returncode == 0, "".join(lines) + out
     assert out.splitlines()[-2:] == ["stopping...", "stopped"]
     assert [pid for pid in children if os.path.exists(f"/proc/{pid}")] == []
+
+
+def test_signals_while_an_up_like_parent_exits_after_its_stop_leave_its_exit_code_alone(tmp_path: Path) -> None:
+    """A burst can outlast the stop: once "stopped" is printed the process only exits, and Python puts
+    the default handlers back while it shuts down. SIGTERM sent all through that exit must not turn a
+    clean stop (exit 0) into death by SIGTERM (-15): the burst test above hit that when the sending
+    process was preempted in the middle of its burst."""
+    proc = subprocess.Popen([sys.executable, "-c", UP_LIKE, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving"):
+                os.kill(proc.pid, signal.SIGTERM)
+            if line.startswith("stopped"):
+                break
+        deadline = time.monotonic() + HANG_S
+        while proc.poll() is None:  # not reaped yet, so the pid is still ours to signal
+            assert time.monotonic() < deadline, "".join(lines)
+            os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.001)
+        lines += proc.stdout.readlines()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, "".join(lines)
+    assert [line.strip() for line in lines[-2:]] == ["stopping...", "stopped"]
 
 
 # ---------------------------------------------------------------- one real stack, killed in parts

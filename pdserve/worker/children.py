@@ -238,15 +238,29 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._signals: tuple[signal.Signals, ...] = ()
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._read_fd, False)
         os.set_blocking(self._write_fd, False)
 
     def install(self, signals: Sequence[signal.Signals] = (signal.SIGINT, signal.SIGTERM)) -> "StopFlag":
         signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._signals = tuple(signals)
         for sig in signals:
             signal.signal(sig, self._on_signal)
         return self
+
+    def ignore_from_now(self) -> None:
+        """The stop is done and the process only exits: ignore further stop signals.
+
+        While the interpreter shuts down it puts the default handlers back, so one more
+        signal of a burst (a second Ctrl-C, a supervisor repeating SIGTERM) arriving then
+        would kill a process that had stopped cleanly, and its exit status would say
+        "killed by SIGTERM" instead of its own code. Python leaves an ignored signal
+        ignored. Call it only once nothing more will be spawned: children inherit it.
+        """
+        for sig in self._signals:
+            signal.signal(sig, signal.SIG_IGN)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self.signum = signum

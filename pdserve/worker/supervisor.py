@@ -216,6 +216,7 @@ class WorkerSupervisor:
             if self.healthy and self.vllm.running():
                 self._drain()
             self.vllm.stop(timeout_s=30.0)
+            self.stopping.ignore_from_now()
             self.http.close()
             log.info("%s %s: stopped", self.cfg.role, self.cfg.worker_id)
 
