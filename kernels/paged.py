@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, TypeAlias
 
 import torch
 
-BlockIds = Sequence[int] | torch.Tensor
+BlockIds: TypeAlias = Sequence[int] | torch.Tensor
 
 TILE_BYTES = 16384  # bytes per program: several 16-byte loads in flight per thread
 NUM_WARPS = 4

@@ -75,7 +75,7 @@ def _copy_hashed(dst: memoryview, src: memoryview) -> int:
     d, s = np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8)
     for start in range(0, len(src), BLOCK_BYTES):
         block = s[start : start + BLOCK_BYTES]
-        h.update(block)
+        h.update(block.data)
         np.copyto(d[start : start + BLOCK_BYTES], block)
     return h.intdigest()
 

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything exporting a contiguous buffer
 T = TypeVar("T")
+# A blocking or an asyncio socket: _new_socket makes either from its own kind of context.
+_Sock = TypeVar("_Sock", bound=zmq.Socket)
 # Reads payloads in place: called with positions and verified views, valid only during the call.
 Visitor = Callable[[list[int], list[memoryview]], None]
 
@@ -105,7 +107,7 @@ def _indexed(visit: Visitor | None, names: Sequence[int]) -> Visitor | None:
 
 def _fresh(size: int) -> memoryview:
     """An uninitialised byte buffer (np.empty skips the zero fill a bytearray would pay)."""
-    return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    return np.empty(size, dtype=np.uint8).data
 
 
 class _Ops:
@@ -344,9 +346,10 @@ class _Ops:
         outs = None if out is None else [out[g] for g in rep.groups]
         keys = [(ns, g, b"") for g in rep.groups]
         views = yield from self._receive(list(rep.items), keys, got[1], outs, _indexed(visit, list(rep.groups)))
-        if any(v is None for v in views):
+        loaded = [v for v in views if v is not None]
+        if len(loaded) != len(views):
             return None
-        return dict(zip(rep.groups, views))
+        return dict(zip(rep.groups, loaded))
 
     def _receive(
         self,
@@ -434,7 +437,7 @@ def _no_reply(url: str, timeout_s: float) -> KVStoreUnavailable:
     return KVStoreUnavailable(f"kvstore {url}: no reply within {timeout_s:g} s (is the server running?)")
 
 
-def _new_socket(ctx: zmq.Context, url: str, timeout_s: float) -> zmq.Socket:
+def _new_socket(ctx: zmq.Context[_Sock], url: str, timeout_s: float) -> _Sock:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
@@ -454,8 +457,8 @@ class KVStoreClient:
         self._ops = _Ops(url, auth_token, shm, prefault)
         self.url = url
         self.timeout_s = timeout_s
-        self._ctx = zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
 
     # ---- driver
 

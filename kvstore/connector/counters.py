@@ -31,7 +31,7 @@ class StatsCounter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts: dict[str, float] = dict.fromkeys(COUNTERS, 0)
 
     def add(self, **counts: float) -> None:
         with self._lock:
@@ -43,5 +43,6 @@ class StatsCounter:
         with self._lock:
             if not any(self._counts.values()):
                 return None
-            counts, self._counts = self._counts, dict.fromkeys(COUNTERS, 0)
+            counts = self._counts
+            self._counts = dict.fromkeys(COUNTERS, 0)
             return counts

@@ -192,14 +192,15 @@ class SchedulerSide:
             plan = self.plans[request.request_id]
         else:
             params = request.kv_transfer_params or {}
-            plan = None
+            promised = None
             if self.loads:
-                plan = self._overlap_plan(request.request_id, state, params) or self._handoff_plan(state, params)
-            if plan is None:
+                promised = self._overlap_plan(request.request_id, state, params) or self._handoff_plan(state, params)
+            if promised is None:
                 found = self._lookup(state.keys)
                 state.chunks_in_store = found
                 plan = LoadPlan(found, min(found * self.chunk_size, len(state.prompt) - 1), None, 0.0)
             else:
+                plan = promised
                 state.chunks_in_store = plan.num_chunks
             if not self.loads:
                 plan = LoadPlan(0, 0, None, 0.0)

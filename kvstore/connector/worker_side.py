@@ -233,10 +233,10 @@ class WorkerIO:
         pins = pins_of(client.arena).pieces if client.arena is not None and self._cuda else None
         outcome = LoadOutcome(job.req_id)
         done = [False] * len(job.objects)  # loaded, or found unusable: not asked for again
-        chunk_idx = [i for i, o in enumerate(job.objects) if o.key is not None]
+        refs = {i: (o.group, o.key) for i, o in enumerate(job.objects) if o.key is not None}  # the chunks
+        chunk_idx = list(refs)
         tail_of_group = {job.objects[i].group: i for i, o in enumerate(job.objects) if o.key is None}
         tail_pending = bool(tail_of_group and job.tail_id)
-        refs = [(o.group, o.key) for o in job.objects]
         waits, start, scatter_s = 0, time.perf_counter(), 0.0
 
         def scatter(indexes: list[int], views: list[memoryview]) -> None:

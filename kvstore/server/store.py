@@ -478,7 +478,7 @@ class Store:
         self.metrics.evictions.labels("l2").inc()
 
 
-def _check_frames(items: Sequence[p.ItemMeta] | Sequence[p.TailItem], frames: Sequence[memoryview]) -> None:
+def _check_frames(items: Sequence[p.ItemMeta | p.TailItem], frames: Sequence[memoryview]) -> None:
     if len(frames) != len(items):
         raise p.BadRequest(f"truncated message: {len(items)} items but {len(frames)} payload frames")
     for i, (it, frame) in enumerate(zip(items, frames)):

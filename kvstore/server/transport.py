@@ -13,7 +13,7 @@ import hmac
 import logging
 import threading
 import time
-from typing import Callable
+from typing import assert_never
 
 import msgspec
 import zmq
@@ -47,7 +47,8 @@ _ERROR_CODES: tuple[tuple[type[Exception] | tuple[type[Exception], ...], str], .
 )
 
 
-Handler = Callable[[p.Request, list[memoryview]], tuple[msgspec.Struct, LoadResult | None]]
+# A reply and, for a load, the objects it sends (leased until sent).
+Answer = tuple[p.Reply, LoadResult | None]
 
 
 class ZmqServer:
@@ -65,19 +66,6 @@ class ZmqServer:
         self._token = cfg.auth_token.encode() if cfg.auth_token else None
         self.waiters = Waiters()
         self._stored = False  # a message since the last wake-up may have stored something awaited
-        self._handlers: dict[type, Handler] = {
-            p.Info: self._info,
-            p.RegisterLayout: lambda r, f: (p.Registered(namespace=store.register(r.layout, r.namespace)), None),
-            p.Lookup: lambda r, f: (p.LookupResult(count=store.lookup(r.ns, r.groups, r.keys)), None),
-            p.Put: self._put,
-            p.PutTail: self._put_tail,
-            p.Commit: self._commit,
-            p.Get: self._get,
-            p.GetTail: self._get_tail,
-            p.DropTail: lambda r, f: (store.drop_tail(r.ns, r.request_id) or p.Ok(), None),
-            p.Await: self._await_now,
-            p.Stats: self._stats,
-        }
 
     # ------------------------------------------------------------ loop
 
@@ -148,7 +136,7 @@ class ZmqServer:
             self._stored |= isinstance(req, _STORES)
             if isinstance(req, p.Await) and self._park(ident, req):
                 return
-            reply, loaded = self._handlers[type(req)](req, [f.buffer for f in frames[2:]])
+            reply, loaded = self._dispatch(req, [f.buffer for f in frames[2:]])
         except Exception as exc:  # a bug must not take the store down with it either
             code = next((c for kinds, c in _ERROR_CODES if isinstance(exc, kinds)), None)
             if code is None:
@@ -159,7 +147,40 @@ class ZmqServer:
         reply.id = req_id
         self._send(ident, reply, loaded)
 
-    def _send(self, ident: zmq.Frame, reply: msgspec.Struct, loaded: LoadResult | None) -> None:
+    def _dispatch(self, req: p.Request, frames: list[memoryview]) -> Answer:
+        """The handler of `req`'s op (a match, so each handler gets its request's own type); the
+        commonest ops first. Release is one-way and answered before this."""
+        store = self.store
+        match req:
+            case p.Get():
+                return self._get(req, frames)
+            case p.Put():
+                return self._put(req, frames)
+            case p.Commit():
+                return self._commit(req, frames)
+            case p.Lookup():
+                return p.LookupResult(count=store.lookup(req.ns, req.groups, req.keys)), None
+            case p.Await():
+                return self._ready(req), None
+            case p.PutTail():
+                return self._put_tail(req, frames)
+            case p.GetTail():
+                return self._get_tail(req, frames)
+            case p.DropTail():
+                store.drop_tail(req.ns, req.request_id)
+                return p.Ok(), None
+            case p.Info():
+                return self._info()
+            case p.RegisterLayout():
+                return p.Registered(namespace=store.register(req.layout, req.namespace)), None
+            case p.Stats():
+                return self._stats()
+            case p.Release():
+                raise p.BadRequest("release is one-way")
+            case _:
+                assert_never(req)
+
+    def _send(self, ident: zmq.Frame, reply: p.Reply, loaded: LoadResult | None) -> None:
         if loaded is None or loaded.shm or not loaded.objs:  # shm leases end on Release
             self.sock.send_multipart([ident, p.encode(reply)], copy=False)
         elif isinstance(reply, p.Loaded):
@@ -185,7 +206,7 @@ class ZmqServer:
                 self._send_frames(ident, part, part_objs)
                 start, size, part_objs = i + 1, 0, []
 
-    def _send_frames(self, ident: zmq.Frame, reply: msgspec.Struct, objs: list[Obj]) -> None:
+    def _send_frames(self, ident: zmq.Frame, reply: p.Reply, objs: list[Obj]) -> None:
         """Header plus payloads straight from the arena; the objects stay leased until ZMQ is done."""
         payload = [zmq.Frame(self.store.l1.view(obj), track=True) for obj in objs]
         self.sock.send_multipart([ident, p.encode(reply), *payload], copy=False)
@@ -209,10 +230,7 @@ class ZmqServer:
             return False
         return self.waiters.park(ident, req)
 
-    def _await_now(self, req: p.Await, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
-        return self._ready(req), None
-
-    def _info(self, req: p.Info, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+    def _info(self) -> Answer:
         arena = self.store.arena
         return (
             p.ServerInfo(
@@ -230,7 +248,7 @@ class ZmqServer:
             None,
         )
 
-    def _stats(self, req: p.Stats, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+    def _stats(self) -> Answer:
         self.store.refresh_gauges()
         return p.StatsReply(stats=self.metrics.snapshot()), None
 
@@ -244,28 +262,28 @@ class ZmqServer:
             raise p.BadRequest("a shared-memory request carries no payload frames")
         return True
 
-    def _put(self, req: p.Put, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+    def _put(self, req: p.Put, frames: list[memoryview]) -> Answer:
         if self._shm(req.shm, frames):
             return self.store.reserve(req.ns, req.items), None
         stored, errors = self.store.put_frames(req.ns, req.items, frames)
         return p.Stored(stored=stored, errors=errors), None
 
-    def _put_tail(self, req: p.PutTail, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+    def _put_tail(self, req: p.PutTail, frames: list[memoryview]) -> Answer:
         if self._shm(req.shm, frames):
             return self.store.reserve_tail(req.ns, req.request_id, req.items, req.ttl_s), None
         self.store.put_tail_frames(req.ns, req.request_id, req.items, frames, req.ttl_s)
         return p.Ok(), None
 
-    def _commit(self, req: p.Commit, frames: list[memoryview]) -> tuple[msgspec.Struct, None]:
+    def _commit(self, req: p.Commit, frames: list[memoryview]) -> Answer:
         stored, errors = self.store.commit(req.leases, req.checksums)
         return p.Stored(stored=stored, errors=errors), None
 
-    def _get(self, req: p.Get, frames: list[memoryview]) -> tuple[msgspec.Struct, LoadResult]:
+    def _get(self, req: p.Get, frames: list[memoryview]) -> Answer:
         self._reap_sent()  # leases of frames already sent make room for promotions from L2
         loaded = self.store.get(req.ns, req.items, self._shm(req.shm, frames))
         return p.Loaded(items=loaded.found, retry=loaded.retry), loaded
 
-    def _get_tail(self, req: p.GetTail, frames: list[memoryview]) -> tuple[msgspec.Struct, LoadResult | None]:
+    def _get_tail(self, req: p.GetTail, frames: list[memoryview]) -> Answer:
         found = self.store.get_tail(req.ns, req.request_id, self._shm(req.shm, frames))
         if found is None:
             return p.TailLoaded(groups=[], items=[], found=False), None
