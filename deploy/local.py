@@ -17,6 +17,9 @@ serve any more: the router or every decode worker is down for good.
 
 Without `--model`, a tiny random-weight DeepSeek-V3 is generated once into the cache
 folder and served with `--load-format dummy` and CPU-friendly engine settings.
+
+With `--kv-backend lmcache` an `lmcache server` (deploy/lmcache_server.py) takes the
+store's place, on the same ports, and the workers use LMCache's connector.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import httpx
 from tqdm import tqdm
 
 from pdserve.worker.config import split_passthrough
+from pdserve.deploy import lmcache_server
 from pdserve.deploy.tiny_model import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS, tiny_model_dir
 from pdserve.worker.children import QUIET_ENV, Backoff, StopFlag, Supervised, open_log, signal_group, spawn
 from pdserve.worker.supervisor import EXIT_GAVE_UP
@@ -67,6 +71,8 @@ class StackConfig:
     kvstore_port: int = 5556
     kvstore_http_port: int = 18556
     kvstore_l1_size_gb: float = 1.0
+    kv_backend: str = "pdserve"  # or "lmcache": an `lmcache server` on the store's ports
+    chunk_size: int | None = None  # the store's (None: its default)
     redis_url: str | None = None
     connector: bool = True
     pd_min_prompt_tokens: int | None = None
@@ -80,6 +86,8 @@ class StackConfig:
             raise ValueError("a stack needs at least one decode worker (--num-decode)")
         if self.num_prefill < 0:
             raise ValueError("--num-prefill must not be negative")
+        if self.kv_backend not in ("pdserve", "lmcache"):
+            raise ValueError(f"--kv-backend must be pdserve or lmcache, not {self.kv_backend!r}")
 
     @property
     def router_url(self) -> str:
@@ -157,20 +165,43 @@ def _pdserve(*words: str) -> list[str]:
     return [sys.executable, "-m", "pdserve.deploy.cli", *words]
 
 
+STORES = ("kvstore", "lmcache")  # the component names of the two KV backends' servers
+
+
+def _store(cfg: StackConfig) -> Component:
+    if cfg.kv_backend == "lmcache":
+        return Component(
+            "lmcache",
+            lmcache_server.server_argv(cfg.kvstore_port, cfg.kvstore_http_port, l1_size_gb=cfg.kvstore_l1_size_gb,
+                                       chunk_size=cfg.chunk_size or lmcache_server.DEFAULT_CHUNK_SIZE),
+            _get_ok(lmcache_server.health_url(cfg.kvstore_http_port)), env=dict(lmcache_server.ENV),
+        )
+    chunk = ["--chunk-size", str(cfg.chunk_size)] if cfg.chunk_size else []
+    return Component(
+        "kvstore",
+        _pdserve("kvstore", "--port", str(cfg.kvstore_port), "--http-port", str(cfg.kvstore_http_port),
+                 "--l1-size-gb", str(cfg.kvstore_l1_size_gb), *chunk),
+        _get_ok(f"http://127.0.0.1:{cfg.kvstore_http_port}/health"),
+    )
+
+
+def _kv_flags(cfg: StackConfig) -> list[str]:
+    if not cfg.connector:
+        return ["--no-connector"]
+    if cfg.kv_backend == "lmcache":
+        return ["--kv-backend", "lmcache", "--lmcache-url", cfg.kvstore_url]
+    return ["--kvstore-url", cfg.kvstore_url]
+
+
 def build_components(cfg: StackConfig) -> list[Component]:
     """The children of a stack, in start order: store, workers, router."""
     comps: list[Component] = []
     if cfg.connector:
-        comps.append(Component(
-            "kvstore",
-            _pdserve("kvstore", "--port", str(cfg.kvstore_port), "--http-port", str(cfg.kvstore_http_port),
-                     "--l1-size-gb", str(cfg.kvstore_l1_size_gb)),
-            _get_ok(f"http://127.0.0.1:{cfg.kvstore_http_port}/health"),
-        ))
+        comps.append(_store(cfg))
     for role in ("prefill", "decode"):
         for i, url in enumerate(cfg.worker_urls(role)):
             argv = _pdserve(role, "--model", cfg.model, "--port", url.rsplit(":", 1)[1])
-            argv += ["--kvstore-url", cfg.kvstore_url] if cfg.connector else ["--no-connector"]
+            argv += _kv_flags(cfg)
             if cfg.redis_url:
                 argv += ["--redis-url", cfg.redis_url]
             vllm_args = list(cfg.vllm_args)
@@ -266,11 +297,11 @@ class LocalStack:
                    disable=not (show_progress and sys.stderr.isatty()),
                    bar_format="{desc}: {n}/{total} ready [{elapsed}]{postfix}")
         try:
-            store = [c for c in self.components if c.name == "kvstore"]
+            store = [c for c in self.components if c.name in STORES]
             for comp in store:
                 comp.supervised.start()
             self._wait(store, bar, deadline)
-            rest = [c for c in self.components if c.name != "kvstore"]
+            rest = [c for c in self.components if c.name not in STORES]
             for comp in rest:
                 comp.supervised.start()
             self._wait(rest, bar, deadline)
@@ -389,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvstore-port", type=int, default=5556)
     p.add_argument("--kvstore-http-port", type=int, default=18556)
     p.add_argument("--kvstore-l1-size-gb", type=float, default=1.0)
+    p.add_argument("--kv-backend", choices=("pdserve", "lmcache"), default="pdserve",
+                   help="the KV store: `pdserve kvstore`, or `lmcache server` (needs lmcache installed) on the same ports")
+    p.add_argument("--chunk-size", type=int, default=None, help="the store's chunk size in tokens (default: its own)")
     p.add_argument("--redis-url", default=None, help="discover workers through Redis instead of fixed URLs")
     p.add_argument("--no-connector", action="store_true", help="no KV store: the decode leg recomputes the prompt")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=None, help="router: shorter prompts skip the prefill leg")
@@ -418,12 +452,16 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
             engine_env=engine_env, num_prefill=a.num_prefill, num_decode=a.num_decode, host=a.host,
             port=a.port, prefill_port=a.prefill_port, decode_port=a.decode_port, kvstore_port=a.kvstore_port,
             kvstore_http_port=a.kvstore_http_port, kvstore_l1_size_gb=a.kvstore_l1_size_gb,
+            kv_backend=a.kv_backend, chunk_size=a.chunk_size,
             redis_url=a.redis_url, connector=not a.no_connector, pd_min_prompt_tokens=a.pd_min_prompt_tokens,
             api_key=a.api_key, start_timeout=a.start_timeout, log_dir=a.log_dir,
         )
     except ValueError as exc:
         parser.error(str(exc))
-    reason = unsupported_reason(installed_version()) if cfg.connector else None
+    if cfg.connector and cfg.kv_backend == "lmcache":
+        reason = lmcache_server.runnable()
+    else:
+        reason = unsupported_reason(installed_version()) if cfg.connector else None
     if reason:
         parser.error(f"{reason} (or pass --no-connector)")
     return cfg, a

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Protocol, Sequence
 
+from pdserve.kvstore.client.lmcache_mp import LMCacheKey
 from pdserve.router.breaker import Breaker, Verdict
 from pdserve.router.config import RouterConfig
 from pdserve.worker.registration import Role, WorkerRecord
@@ -40,7 +41,9 @@ class Worker:
     role: Role
     url: str
     source: Source
-    kvstore_url: str | None = None
+    kvstore_url: str | None = None  # its KV backend's URL: a pdserve store or an LMCache server
+    kv_backend: str = "pdserve"  # "lmcache": LMCache's connector (from its Redis record)
+    lmcache_key: LMCacheKey | None = None  # what its LMCache server keys the model's chunks by
     # (advertised URL, id) of the store its last prefill wrote to: where an overlapped decode waits
     produces_to: tuple[str, str | None] | None = None
     reported_load: int = 0  # running + waiting, from the worker's Redis heartbeat
@@ -154,6 +157,7 @@ class Pool:
                 self.workers[wid] = w
                 new.append(w)
             w.kvstore_url = rec.kvstore_url or w.kvstore_url
+            w.kv_backend, w.lmcache_key = rec.kv_backend, rec.lmcache_key
             w.reported_load = sum(rec.load.get(k, 0) for k in ("running", "waiting"))
         return new
 

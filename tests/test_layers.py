@@ -235,6 +235,25 @@ def test_the_store_router_and_workers_never_import_vllm(sources: dict[str, str],
     assert {m: chain for m in checked if (chain := reaches_vllm(m))} == {}
 
 
+def imported_distributions(source: str) -> set[str]:
+    """Top-level names of every import in `source`, wherever it stands (lazy ones count)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_nothing_imports_lmcache(sources: dict[str, str]) -> None:
+    """LMCache is an optional backend that runs in its own processes: vLLM loads its connector by
+    module path, `lmcache server` is a child process, and pdserve speaks its wire itself
+    (kvstore/client/lmcache_mp.py). No module of pdserve imports it, lazily or not."""
+    assert [m for m, src in sources.items() if "lmcache" in imported_distributions(src)] == []
+    assert "lmcache" in imported_distributions("def f():\n    import lmcache.cli.main\n")  # the check itself
+
+
 def test_entry_points_name_modules_that_exist(sources: dict[str, str]) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     targets = [*project["scripts"].values(), *project["entry-points"]["vllm.general_plugins"].values()]

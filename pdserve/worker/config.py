@@ -5,6 +5,9 @@ argument this parser does not define, and everything after `--`, goes to vLLM un
 so the flags users already run (`--tensor-parallel-size`, `--kv-cache-dtype`, `--api-key`,
 ...) just work. The role decides the connector's kv_role: a prefill worker produces KV
 (kv_producer), a decode worker loads it and may also prefill short prompts itself (kv_both).
+The KV backend (`--kv-backend`) picks the connector: pdserve's own store (PDServeConnector,
+`--kvstore-url`) or an LMCache server (LMCache's connector, `--lmcache-url`; see
+lmcache_backend.py).
 """
 
 from __future__ import annotations
@@ -13,13 +16,16 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 from pdserve.kvstore.client.auth import add_client_token_flag
+from pdserve.kvstore.client.lmcache_mp import parse_url
 from pdserve.kvstore.connector.vllm_plugin import CONNECTOR_NAME
+from pdserve.worker import lmcache_backend
 from pdserve.worker.children import Backoff
 from pdserve.worker.registration import DEFAULT_TTL_S, Role, new_worker_id
 
+KVBackend = Literal["pdserve", "lmcache"]
 KV_ROLES: dict[Role, str] = {"prefill": "kv_producer", "decode": "kv_both"}
 DEFAULT_PORTS: dict[Role, int] = {"prefill": 8100, "decode": 8200}
 # Flags that the worker owns and therefore must not also appear among vLLM's arguments.
@@ -47,6 +53,8 @@ class WorkerConfig:
     model: str
     kvstore_url: str | None
     kvstore_auth_token: str | None
+    kv_backend: KVBackend
+    lmcache_url: str | None
     redis_url: str | None
     host: str
     port: int
@@ -82,7 +90,17 @@ class WorkerConfig:
                 return arg.split("=", 1)[1]
         return self.model
 
+    @property
+    def kv_url(self) -> str | None:
+        """The URL of this worker's KV backend (what its Redis record advertises), None without a connector."""
+        if not self.connector:
+            return None
+        return self.lmcache_url if self.kv_backend == "lmcache" else self.kvstore_url
+
     def kv_transfer_config(self) -> dict:
+        if self.kv_backend == "lmcache":
+            assert self.lmcache_url is not None
+            return lmcache_backend.kv_transfer_config(self.lmcache_url, KV_ROLES[self.role])
         return {
             "kv_connector": CONNECTOR_NAME,
             "kv_role": KV_ROLES[self.role],
@@ -92,7 +110,9 @@ class WorkerConfig:
             },
         }
 
-    def vllm_argv(self) -> list[str]:
+    def vllm_argv(self, extra: Sequence[str] = ()) -> list[str]:
+        """vLLM's command line; `extra` (flags the worker worked out at start, such as the LMCache
+        retention interval) goes before the user's own flags."""
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
@@ -101,21 +121,25 @@ class WorkerConfig:
         ]
         if self.connector:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(), separators=(",", ":"))]
-        return argv + list(self.vllm_args)
+        return argv + list(extra) + list(self.vllm_args)
 
 
 def build_parser(role: Role) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"pdserve {role}",
         description=(
-            f"Run a {role} worker: vLLM's OpenAI server with PDServeConnector "
+            f"Run a {role} worker: vLLM's OpenAI server with PDServeConnector or LMCache's connector "
             f"({KV_ROLES[role]}), registered in Redis. Arguments this parser does not know "
             "(or everything after `--`) go to vLLM unchanged."
         ),
         allow_abbrev=False,
     )
     parser.add_argument("--model", required=True, help="model path or name, as for `vllm serve`")
+    parser.add_argument("--kv-backend", choices=get_args(KVBackend), default="pdserve",
+                        help="where KV goes: pdserve's store (--kvstore-url) or an LMCache server (--lmcache-url)")
     parser.add_argument("--kvstore-url", default=None, help="KV store address, e.g. tcp://127.0.0.1:5556")
+    parser.add_argument("--lmcache-url", default=None,
+                        help="with --kv-backend lmcache: the `lmcache server` address, e.g. tcp://127.0.0.1:5556")
     add_client_token_flag(parser, "for the connector")
     parser.add_argument("--redis-url", default=None, help="register here for discovery, e.g. redis://host:6379/0")
     parser.add_argument("--host", default="127.0.0.1", help="bind address of the vLLM server")
@@ -147,8 +171,21 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
     connector = not args.no_connector
     if connector and any(a == "--kv-transfer-config" or a.startswith("--kv-transfer-config=") for a in vllm_args):
         raise WorkerError("pdserve builds --kv-transfer-config itself; add --no-connector to pass your own")
-    if connector and not args.kvstore_url:
-        raise WorkerError("--kvstore-url is required (or --no-connector to serve without KV transfer)")
+    if args.kv_backend == "lmcache":
+        if args.kvstore_url:
+            raise WorkerError("--kvstore-url is pdserve's store; with --kv-backend lmcache pass --lmcache-url")
+        if connector and not args.lmcache_url:
+            raise WorkerError("--kv-backend lmcache needs --lmcache-url tcp://HOST:PORT (or --no-connector)")
+        if args.lmcache_url:
+            try:
+                parse_url(args.lmcache_url)
+            except ValueError as exc:
+                raise WorkerError(f"--lmcache-url: {exc}") from None
+    else:
+        if args.lmcache_url:
+            raise WorkerError("--lmcache-url needs --kv-backend lmcache")
+        if connector and not args.kvstore_url:
+            raise WorkerError("--kvstore-url is required (or --no-connector to serve without KV transfer)")
     if args.heartbeat_ttl <= 0:
         raise WorkerError(f"--heartbeat-ttl must be positive, got {args.heartbeat_ttl}")
     if args.max_restarts < 0 or not 0 <= args.restart_delay <= Backoff.max_s:
@@ -158,6 +195,8 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
         model=args.model,
         kvstore_url=args.kvstore_url,
         kvstore_auth_token=args.kvstore_auth_token,
+        kv_backend=args.kv_backend,
+        lmcache_url=args.lmcache_url,
         redis_url=args.redis_url,
         host=args.host,
         port=args.port,

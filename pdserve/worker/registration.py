@@ -25,6 +25,8 @@ from typing import Literal
 import msgspec
 import redis
 
+from pdserve.kvstore.client.lmcache_mp import LMCacheKey
+
 log = logging.getLogger("pdserve.worker.registration")
 
 KEY_PREFIX = "pdserve:worker:"
@@ -41,7 +43,9 @@ class WorkerRecord(msgspec.Struct):
     role: Role
     url: str  # http base URL of the vLLM OpenAI server, e.g. http://10.0.0.5:8100
     model: str  # served model name
-    kvstore_url: str | None = None
+    kvstore_url: str | None = None  # the URL of its KV backend: a pdserve store or an LMCache server
+    kv_backend: Literal["pdserve", "lmcache"] = "pdserve"
+    lmcache_key: LMCacheKey | None = None  # what the LMCache server keys its chunks by (router lookups)
     load: dict[str, int] = msgspec.field(default_factory=dict)  # e.g. {"running": 2, "waiting": 0}
     started_at: float = msgspec.field(default_factory=time.time)
 

@@ -3,7 +3,8 @@
 The worker is a small supervisor around an unmodified `python -m
 vllm.entrypoints.openai.api_server` child. It adds exactly what vLLM cannot know:
 - the KV connector config for its role (prefill: kv_producer; decode: kv_both, so a
-  decode worker can also prefill short prompts locally);
+  decode worker can also prefill short prompts locally), for pdserve's store or an
+  LMCache server (whose chunk size it asks first: see lmcache_backend.py);
 - registration in Redis with a TTL heartbeat that carries the engine's load, read
   from vLLM's own /metrics;
 - a graceful stop: on SIGTERM it deregisters first (the router stops sending), waits
@@ -31,10 +32,12 @@ from typing import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.kvstore.client import lmcache_mp
 from pdserve.kvstore.client.malloc import ENV as MALLOC_ENV
 from pdserve.kvstore.connector.vllm_plugin import CONNECTOR_NAME
 from pdserve.kvstore.connector.vllm_release import installed_version, unsupported_reason
 from pdserve.worker.children import StopFlag, Supervised, describe_exit, spawn, stop_group
+from pdserve.worker import lmcache_backend
 from pdserve.worker.config import WorkerConfig, WorkerError, config_from_args
 from pdserve.worker.registration import Registrar, Role, WorkerRecord
 
@@ -79,6 +82,41 @@ def check_connector() -> None:
         )
 
 
+_LMCACHE_CHECK = (
+    "import importlib.util\n"
+    "if importlib.util.find_spec('lmcache') is None:\n"
+    "    raise SystemExit('lmcache is not installed')\n"
+    f"import {lmcache_backend.CONNECTOR_MODULE} as c\n"
+    f"c.{lmcache_backend.CONNECTOR}\n"
+)
+
+
+def check_lmcache_connector() -> None:
+    """Fail fast with a clear message when vLLM's Python cannot load LMCache's connector."""
+    result = subprocess.run([sys.executable, "-c", _LMCACHE_CHECK], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"exit code {result.returncode}"
+        raise WorkerError(
+            f"vLLM cannot load {lmcache_backend.CONNECTOR} from {lmcache_backend.CONNECTOR_MODULE} ({reason}). "
+            "Install LMCache next to vLLM (`pip install pdserve[lmcache]`), or use --kv-backend pdserve."
+        )
+
+
+def lmcache_extra_args(cfg: WorkerConfig) -> list[str]:
+    """Ask the LMCache server for its chunk size (it must be up, as LMCache's connector needs it
+    to start) and derive the flags it implies for this model."""
+    assert cfg.lmcache_url is not None
+    try:
+        chunk = lmcache_mp.chunk_size(cfg.lmcache_url)
+    except lmcache_mp.LMCacheError as exc:
+        raise WorkerError(f"no LMCache server answers at {cfg.lmcache_url} ({exc}); start `lmcache server` first")
+    try:
+        return lmcache_backend.retention_args(cfg.model, cfg.vllm_args, chunk)
+    except ValueError as exc:
+        raise WorkerError(str(exc)) from None
+
+
 def read_load(client: httpx.Client, base_url: str) -> dict[str, int]:
     """Running and waiting requests from vLLM's Prometheus /metrics (summed over engines)."""
     resp = client.get(f"{base_url}/metrics")
@@ -95,8 +133,9 @@ def read_load(client: httpx.Client, base_url: str) -> dict[str, int]:
 class WorkerSupervisor:
     """Supervises one vLLM server: start, register, heartbeat load, restart, drain, stop."""
 
-    def __init__(self, cfg: WorkerConfig, stopping: StopFlag) -> None:
+    def __init__(self, cfg: WorkerConfig, stopping: StopFlag, extra_vllm_args: Sequence[str] = ()) -> None:
         self.cfg = cfg
+        self.extra_vllm_args = tuple(extra_vllm_args)
         self.stopping = stopping
         self.vllm = Supervised("vLLM", self._spawn_vllm, cfg.backoff)
         self.registrar: Registrar | None = None
@@ -108,7 +147,7 @@ class WorkerSupervisor:
 
     def _spawn_vllm(self) -> subprocess.Popen:
         # the user's own malloc settings win over the store-friendly defaults
-        child = spawn(self.cfg.vllm_argv(), env={k: v for k, v in MALLOC_ENV.items() if k not in os.environ})
+        child = spawn(self.cfg.vllm_argv(self.extra_vllm_args), env={k: v for k, v in MALLOC_ENV.items() if k not in os.environ})
         log.info("%s %s: started vLLM (pid %d) on %s", self.cfg.role, self.cfg.worker_id, child.pid, self.cfg.local_url)
         self.healthy, self.started_at, self.failing_since = False, time.monotonic(), None
         return child
@@ -126,8 +165,9 @@ class WorkerSupervisor:
             return
         record = WorkerRecord(
             id=cfg.worker_id, role=cfg.role, url=cfg.url, model=cfg.served_model_name,
-            kvstore_url=cfg.kvstore_url if cfg.connector else None,
-            load={"running": 0, "waiting": 0},
+            kvstore_url=cfg.kv_url, kv_backend=cfg.kv_backend, load={"running": 0, "waiting": 0},
+            lmcache_key=lmcache_backend.cache_key(cfg.model, cfg.vllm_args)
+            if cfg.kv_backend == "lmcache" and cfg.connector else None,
         )
         self.registrar = Registrar(cfg.redis_url, record, cfg.heartbeat_ttl)
         self.registrar.start()
@@ -232,9 +272,13 @@ def run_worker(role: Role, argv: Sequence[str] | None) -> int:
     configure_logging()
     try:
         cfg = config_from_args(role, sys.argv[1:] if argv is None else argv)
-        if cfg.connector:
+        extra: list[str] = []
+        if cfg.connector and cfg.kv_backend == "lmcache":
+            check_lmcache_connector()
+            extra = lmcache_extra_args(cfg)
+        elif cfg.connector:
             check_connector()
     except WorkerError as exc:
         print(f"pdserve {role}: error: {exc}", file=sys.stderr)
         return 2
-    return WorkerSupervisor(cfg, StopFlag().install()).run()
+    return WorkerSupervisor(cfg, StopFlag().install(), extra).run()

@@ -19,6 +19,7 @@ import msgspec
 from starlette.requests import Request
 
 from pdserve.router.errors import RouterError
+from pdserve.router.pool import Worker
 from pdserve.router.requests import Route
 
 T = TypeVar("T")
@@ -42,6 +43,7 @@ class Call:
     t0: float = field(default_factory=time.perf_counter)
     t_first_call: float | None = None  # when the router first called a worker for this request
     kv_params: dict[str, Any] | None = None  # from the prefill response: owns a store tail until decode ends
+    prefill_worker: Worker | None = None  # the worker whose prefill answered
     finished: bool = False  # the decode leg completed (its worker consumed the tail)
 
     @property

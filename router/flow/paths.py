@@ -4,7 +4,9 @@ Decode-only when the request cannot share one prefill (a batch of prompts, n > 1
 search: vLLM would fork child requests that all claim the prefill's one tail), when no
 prefill worker is available, when the prompt is short (`--pd-min-prompt-tokens`) or when
 the KV store already holds most of it (`--pd-max-cached-fraction`); else P/D. The token
-count and the store's prefix hits found on the way go to the workers' policies.
+count and the store's prefix hits found on the way go to the workers' policies. "The KV
+store" is each backend's: pdserve's stores (store_view.py) and the LMCache servers of the
+prefill workers on that backend (lmcache_view.py), asked together.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Any
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.flow.call import Call
-from pdserve.router.pool import Pool, RouteContext
+from pdserve.router.lmcache_view import LMCacheView
+from pdserve.router.pool import Pool, RouteContext, Worker
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 
@@ -29,11 +32,13 @@ def _forks(body: dict[str, Any]) -> bool:
 
 
 class PathPlanner:
-    def __init__(self, cfg: RouterConfig, prefill: Pool, tokens: PromptTokens, store: StoreView) -> None:
+    def __init__(self, cfg: RouterConfig, prefill: Pool, tokens: PromptTokens, store: StoreView,
+                 lmcache: LMCacheView) -> None:
         self.cfg = cfg
         self.prefill = prefill
         self.tokens = tokens
         self.store = store
+        self.lmcache = lmcache
 
     async def plan(self, call: Call) -> tuple[str, RouteContext]:
         """The path (a metrics label: "pd" or "decode_only_<why>") and the facts the policies use."""
@@ -51,9 +56,16 @@ class PathPlanner:
             ctx.prompt_tokens = len(ids)
         if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
             return "decode_only_short", ctx
-        if ids is not None and self.store.layouts:
-            salt = call.body.get("cache_salt")
-            ctx.prefix_tokens = await self.store.prefix_tokens(ids, salt if isinstance(salt, str) else None)
-            if max(ctx.prefix_tokens.values()) >= self.cfg.pd_max_cached_fraction * len(ids):
+        if ids is not None:
+            ctx.prefix_tokens = await self._prefix_tokens(ids, call.body.get("cache_salt"), prefill_workers)
+            if ctx.prefix_tokens and max(ctx.prefix_tokens.values()) >= self.cfg.pd_max_cached_fraction * len(ids):
                 return "decode_only_cached", ctx
         return "pd", ctx
+
+    async def _prefix_tokens(self, ids: list[int], salt: Any, workers: list[Worker]) -> dict[str, int]:
+        """Prompt tokens already stored, per KV backend URL, from every backend that can tell."""
+        salt = salt if isinstance(salt, str) else None
+        found = await self.store.prefix_tokens(ids, salt) if self.store.layouts else {}
+        if LMCacheView.servers(workers):
+            found.update(await self.lmcache.prefix_tokens(workers, ids, salt))
+        return found

@@ -20,6 +20,13 @@ it) and a new one goes out as in the sequential flow.
 
 Whatever ends a request early (client gone, decode failed) frees the prefill's store
 tail, so no KV is left behind waiting for a decode that will not come.
+
+On the LMCache backend the legs always run in sequence: an overlapped decode leg needs
+pdserve's store to wait in (an LMCache worker never names a store it produces to, so the
+overlap above never starts). LMCache's connector stores a prompt's chunks after the
+prefill engine has answered, so before the decode leg goes out the router waits, briefly
+and bounded, until the prefill worker's LMCache server holds them (lmcache_view.py);
+otherwise a decode engine that looked too early would recompute what it could have loaded.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.flow.call import Call, ClientGone, until_disconnect
 from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs, drop_leg
 from pdserve.router.flow.paths import PathPlanner
-from pdserve.router.flow.prefill_leg import PrefillLeg, decode_payload, overlap_params
+from pdserve.router.flow.prefill_leg import PrefillLeg, decode_payload, overlap_params, prompt_ids
 from pdserve.router.flow.relay import Relay
+from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Policy, Pool, RouteContext, Worker
 from pdserve.router.store_view import StoreView
@@ -67,7 +75,8 @@ class PDFlow:
         self.decode = decode
         self.store = store
         self.metrics = metrics
-        self.paths = PathPlanner(cfg, prefill, tokens, store)
+        self.lmcache = LMCacheView()
+        self.paths = PathPlanner(cfg, prefill, tokens, store, self.lmcache)
         self.prefill_leg = PrefillLeg(cfg, prefill, prefill_policy, http, headers, store, metrics)
         self.decode_legs = DecodeLegs(cfg, decode, decode_policy, http, headers, metrics)
         self.relay = Relay(self.decode_legs, metrics, self._end)
@@ -98,15 +107,19 @@ class PDFlow:
         payload = call.raw
         if path == "pd":
             data = await self.prefill_leg.run(call, ctx)
-            path, payload, t_prefill_done = self._after_prefill(call, data)
+            path, payload, t_prefill_done = await self._after_prefill(call, data)
         self.metrics.paths.labels(path).inc()
         return await self._respond(call, await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done))
 
-    def _after_prefill(self, call: Call, data: dict[str, Any] | None) -> tuple[str, bytes, float | None]:
-        """(path, decode payload, when the prefill answered) once the prefill leg has ended."""
+    async def _after_prefill(self, call: Call, data: dict[str, Any] | None) -> tuple[str, bytes, float | None]:
+        """(path, decode payload, when the prefill answered) once the prefill leg has ended and, on the
+        LMCache backend, its server holds the prompt's chunks."""
         if data is None:
             return "decode_only_prefill_failed", call.raw, None
-        return "pd", decode_payload(call, data), time.perf_counter()
+        t_prefill_done = time.perf_counter()
+        if call.prefill_worker is not None:
+            await self.lmcache.wait_stored(call.prefill_worker, prompt_ids(data), call.body.get("cache_salt"))
+        return "pd", decode_payload(call, data), t_prefill_done
 
     async def _serve_overlapped(self, call: Call, ctx: RouteContext) -> Response:
         """Both legs at once, when the chosen prefill worker's store is known; else in sequence."""
@@ -128,7 +141,7 @@ class PDFlow:
             else:  # no overlap after all: the prefill failed or wrote elsewhere
                 if decode is not None:
                     drop_leg(decode)
-                path, payload, t_prefill_done = self._after_prefill(call, data)
+                path, payload, t_prefill_done = await self._after_prefill(call, data)
                 leg = await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done)
         except BaseException:
             prefill.cancel()
@@ -161,3 +174,4 @@ class PDFlow:
         """Let pending cleanups (tail drops, closes) finish at shutdown."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=2.0)
+        self.lmcache.close()

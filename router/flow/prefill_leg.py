@@ -47,7 +47,7 @@ def prefill_body(body: dict[str, Any], handoff: str | None = None) -> dict[str, 
     return sent
 
 
-def _prompt_ids(data: dict[str, Any]) -> list[int] | None:
+def prompt_ids(data: dict[str, Any]) -> list[int] | None:
     ids = data.get("prompt_token_ids")
     if ids is None:  # completions put them on the choice
         choices = data.get("choices") or [{}]
@@ -65,7 +65,7 @@ def overlap_params(handoff: str, store: tuple[str, str | None], wait_s: float) -
 def decode_payload(call: Call, prefill: dict[str, Any]) -> bytes:
     """The decode leg's body: the client's plus the prefill's kv_transfer_params and prompt token ids."""
     params = dict(call.kv_params or {})
-    ids = _prompt_ids(prefill)
+    ids = prompt_ids(prefill)
     if ids is not None:
         params["prompt_token_ids"] = ids
     if not params:
@@ -126,6 +126,7 @@ class PrefillLeg:
             if status != 200:  # the request's fault: the client gets the worker's error
                 raise UpstreamResponse(status, content)
             self.metrics.leg.labels("prefill").observe(time.perf_counter() - t)
+            call.prefill_worker = slot.worker
             data = msgspec.json.decode(content)
             params = data.get("kv_transfer_params")
             if isinstance(params, dict):
