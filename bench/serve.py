@@ -14,6 +14,10 @@ locally) and benchmarks it through the router and directly. The handoff overhead
 P/D TTFT minus colocated TTFT (both through the router); the router overhead is the
 colocated engine through the router minus the same engine addressed directly. The
 stacks run one after the other so neither competes with the other for the CPU.
+
+`--kv-backend pdserve lmcache` runs one P/D stack per KV backend, side by side in one
+run (pdserve's store, then an `lmcache server` with LMCache's connector; its legs run in
+sequence, as the LMCache backend always does): TTFT, handoff and TPOT per backend.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import json
 import math
+import shutil
 import signal
 import sys
 import time
@@ -42,6 +47,9 @@ from pdserve.bench.engine_counters import describe_load_phases, load_phase_means
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
+KV_BACKENDS = ("pdserve", "lmcache")
+# The run label of each backend's P/D stack (pdserve's keeps the label it always had).
+PD_LABELS = {"pdserve": "pd", "lmcache": "pd-lmcache"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class BenchConfig:
     result_filename: str | None = None
     disable_tqdm: bool = False
     compare: bool = False
+    kv_backends: tuple[str, ...] = ("pdserve",)  # with --compare: one P/D stack per KV backend
     vllm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -74,6 +83,8 @@ class BenchConfig:
             raise ValueError("--max-concurrency values must be at least 1")
         if not self.request_rate > 0:
             raise ValueError("--request-rate must be positive (inf: all at once)")
+        if not self.kv_backends or set(self.kv_backends) - set(KV_BACKENDS):
+            raise ValueError(f"--kv-backend must be among {KV_BACKENDS}, got {list(self.kv_backends)}")
         unknown = set(self.goodput) - set(SLO_METRICS)
         if unknown:
             raise ValueError(f"--goodput metrics must be among {SLO_METRICS}, got {sorted(unknown)}")
@@ -336,9 +347,12 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
     rows = []
     for conc in sorted({r.max_concurrency for r in runs}, key=lambda c: math.inf if c is None else c):
         pd, coloc, direct = (by.get((name, conc)) for name in ("pd", "colocated-router", "colocated-direct"))
-        if not (pd and coloc and direct):
+        if not (coloc and direct):
             continue
-        pd_ttft, coloc_ttft, direct_ttft = (m["ttft_ms"]["p50"] for m in (pd, coloc, direct))
+        coloc_ttft, direct_ttft = (m["ttft_ms"]["p50"] for m in (coloc, direct))
+        if not pd:  # --kv-backend without pdserve: its columns stay empty
+            pd = {"ttft_ms": {"p50": math.nan}, "tpot_ms": {"p50": math.nan}}
+        pd_ttft = pd["ttft_ms"]["p50"]
         seq = by.get(("pd-sequential", conc))
         rows.append({
             "max_concurrency": conc,
@@ -357,8 +371,25 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "sequential_handoff_p50_ms": seq["ttft_ms"]["p50"] - coloc_ttft if seq else math.nan,
             "sequential_router_handoff_mean_ms": (seq or {}).get("router", {}).get("handoff_mean_ms", math.nan),
             "sequential_decode_loads": (seq or {}).get("decode_loads", {}),
+            "backends": backend_rows(by, conc, coloc_ttft),
         })
     return rows
+
+
+def backend_rows(by: dict[tuple[str, int | None], dict[str, Any]], conc: int | None,
+                 coloc_ttft: float) -> dict[str, dict[str, float]]:
+    """TTFT, handoff and TPOT of each KV backend's P/D run at one concurrency."""
+    out = {}
+    for backend, label in PD_LABELS.items():
+        m = by.get((label, conc))
+        if m:
+            out[backend] = {
+                "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
+                "handoff_overhead_p50_ms": m["ttft_ms"]["p50"] - coloc_ttft,
+                "router_handoff_mean_ms": m.get("router", {}).get("handoff_mean_ms", math.nan),
+                "tpot_p50_ms": m["tpot_ms"]["p50"], "itl_p99_ms": m["itl_ms"]["p99"],
+            }
+    return out
 
 
 # ------------------------------------------------------------------ output
@@ -419,6 +450,14 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
             print(f"  legs in sequence (--no-pd-overlap): handoff overhead {row['sequential_handoff_p50_ms']:.1f} ms, "
                   f"router-measured handoff {row['sequential_router_handoff_mean_ms']:.1f} ms; KV loads: "
                   f"{describe_load_phases(row['sequential_decode_loads'])}")
+    backends = [(row["max_concurrency"], name, b) for row in rows for name, b in row["backends"].items()]
+    if len({name for _, name, _ in backends}) > 1:
+        print(f"\n{'KV backend':<12}{'conc':>6}{'TTFT p50':>10}{'p99':>9}{'handoff p50':>13}"
+              f"{'router handoff':>16}{'TPOT p50':>10}{'ITL p99':>9}   (ms; handoff = P/D - colocated TTFT)")
+        for conc, name, b in backends:
+            print(f"{name:<12}{conc or 'inf':>6}{b['ttft_p50_ms']:>10.1f}{b['ttft_p99_ms']:>9.1f}"
+                  f"{b['handoff_overhead_p50_ms']:>13.1f}{b['router_handoff_mean_ms']:>16.1f}"
+                  f"{b['tpot_p50_ms']:>10.2f}{b['itl_p99_ms']:>9.2f}")
 
 
 def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
@@ -495,17 +534,20 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
                            kvstore_http_port=free_port(), api_key=cfg.api_key, **kw)
 
     runs: list[Run] = []
-    pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
-    with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), \
-            second_router(pd, "--no-pd-overlap") as sequential_url:
-        decode_url = pd.worker_urls("decode")[0]
-        for conc in cfg.max_concurrency:
-            # The stack's router overlaps the legs (the default); the second sends them in sequence.
-            for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url)):
-                before = read_counters(decode_url)
-                level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc]))
-                level[0].metrics["decode_loads"] = load_phase_means(before, read_counters(decode_url))
-                runs += level
+    if "pdserve" in cfg.kv_backends:
+        pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
+        with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), \
+                second_router(pd, "--no-pd-overlap") as sequential_url:
+            decode_url = pd.worker_urls("decode")[0]
+            for conc in cfg.max_concurrency:
+                # The stack's router overlaps the legs (the default); the second sends them in sequence.
+                for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url)):
+                    before = read_counters(decode_url)
+                    level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc]))
+                    level[0].metrics["decode_loads"] = load_phase_means(before, read_counters(decode_url))
+                    runs += level
+    if "lmcache" in cfg.kv_backends:
+        runs += lmcache_runs(cfg, bench, prompts, stack)
     coloc = stack(num_prefill=0, num_decode=1, connector=False, pd_min_prompt_tokens=10**9)
     with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):
         # Router and direct alternate level by level, so slow drift in the machine's
@@ -515,6 +557,28 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
             runs += asyncio.run(bench_endpoint(bench, coloc.worker_urls("decode")[0], "colocated-direct",
                                                prompts, [conc]))
     return runs
+
+
+def lmcache_runs(cfg: BenchConfig, bench: BenchConfig, prompts: PromptSource, stack: Any) -> list[Run]:
+    """The P/D stack on LMCache. Its workers register in Redis when there is a redis-server, so
+    the router reads LMCache's lookup and waits for the prefill's chunks (lmcache_view.py), as a
+    deployment on this backend runs; without one they are static and the router does neither."""
+    from pdserve.bench.fault_stack import start_redis
+    from pdserve.deploy.local import LocalStack
+
+    redis = start_redis() if shutil.which("redis-server") else None
+    if redis is None:
+        print("no redis-server on PATH: the LMCache stack's workers are static (no LMCache lookups by the router)",
+              file=sys.stderr)
+    try:
+        lm = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0, kv_backend="lmcache",
+                   redis_url=f"redis://127.0.0.1:{redis.port}/0" if redis else None)
+        with LocalStack(lm, label="P/D stack on LMCache").start(show_progress=not cfg.disable_tqdm):
+            return [run for conc in cfg.max_concurrency
+                    for run in asyncio.run(bench_endpoint(bench, lm.router_url, PD_LABELS["lmcache"], prompts, [conc]))]
+    finally:
+        if redis is not None:
+            redis.stop()
 
 
 def _concurrency(value: str) -> int | None:
@@ -557,6 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--compare", action="store_true",
                    help="start a P/D stack and a colocated single-engine stack here and benchmark both")
+    p.add_argument("--kv-backend", dest="kv_backends", nargs="+", choices=KV_BACKENDS, default=["pdserve"],
+                   help="with --compare: one P/D stack per KV backend, side by side (lmcache needs lmcache "
+                        "installed and redis-server on PATH)")
     return p
 
 
@@ -573,7 +640,7 @@ def config_from_args(argv: Sequence[str]) -> BenchConfig:
             max_concurrency=tuple(a.max_concurrency), request_rate=a.request_rate, num_warmups=a.num_warmups,
             seed=a.seed, goodput=dict(a.goodput), api_key=a.api_key, request_timeout=a.request_timeout,
             result_dir=a.result_dir, result_filename=a.result_filename, disable_tqdm=a.disable_tqdm,
-            compare=a.compare, vllm_args=tuple(vllm_args),
+            compare=a.compare, kv_backends=tuple(a.kv_backends), vllm_args=tuple(vllm_args),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -14,6 +14,8 @@ import httpx
 import msgspec
 import pytest
 
+from pdserve.bench import serve as bench_serve
+from pdserve.bench.serve import RequestResult, Run, comparison, print_summary, summarize
 from pdserve.deploy import lmcache_server
 from pdserve.deploy.local import StackConfig, build_components, parse_up_args
 from pdserve.kvstore.client import lmcache_mp
@@ -174,3 +176,27 @@ def test_a_lookup_of_an_unknown_model_finds_nothing_and_leaves_nothing_locked(lm
     after = status(lmcache)
     assert after["active_sessions"] == sessions
     assert after["storage_manager"]["l1_manager"]["read_locked_count"] == 0
+
+
+def _run(label: str, ttft_ms: float, tpot_ms: float) -> Run:
+    result = RequestResult(success=True, prompt_tokens=10, output_tokens=11, ttft=ttft_ms / 1000,
+                           e2el=ttft_ms / 1000 + tpot_ms / 100, itl=[tpot_ms / 1000] * 10)
+    return Run(label, "http://x", 8, summarize([result], 1.0, {}))
+
+
+def test_bench_compares_the_backends_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--kv-backend pdserve lmcache`: TTFT, handoff (against the colocated engine) and TPOT per backend."""
+    coloc = [_run("colocated-router", 100.0, 5.0), _run("colocated-direct", 99.0, 5.0)]
+    [row] = comparison([_run("pd", 130.0, 4.0), _run("pd-lmcache", 150.0, 4.5), *coloc])
+    assert row["backends"]["pdserve"]["handoff_overhead_p50_ms"] == pytest.approx(30.0)
+    assert row["backends"]["lmcache"]["handoff_overhead_p50_ms"] == pytest.approx(50.0)
+    assert row["backends"]["lmcache"]["tpot_p50_ms"] == pytest.approx(4.5)
+    print_summary([], [row])
+    table = capsys.readouterr().out.split("KV backend", 1)[1].splitlines()
+    assert [line.split()[0] for line in table[1:3]] == ["pdserve", "lmcache"]
+    [alone] = comparison([_run("pd-lmcache", 150.0, 4.5), *coloc])  # LMCache alone still gets its row
+    assert set(alone["backends"]) == {"lmcache"} and alone["handoff_overhead_p50_ms"] != alone["handoff_overhead_p50_ms"]
+    argv = ["--compare", "--kv-backend", "pdserve", "lmcache"]
+    assert bench_serve.config_from_args(argv).kv_backends == ("pdserve", "lmcache")
+    with pytest.raises(SystemExit):
+        bench_serve.config_from_args(["--compare", "--kv-backend", "mooncake"])

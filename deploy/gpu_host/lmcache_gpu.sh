@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The LMCache backend on the GPU host: its P/D tests and the side-by-side benchmark, unattended.
+#
+# Run from the checkout's root on the host, after GPU vLLM is installed in /tmp/site and
+# deploy/gpu_host/lmcache_check.sh passed there (same warm host: its wheels are in /tmp/site),
+# with .lmcache-gpu/ carried beside the checkout (the install step merges it again if needed):
+#
+#     bash deploy/gpu_host/lmcache_gpu.sh              # install tests bench-2k bench-tail, about 8-9 minutes
+#     bash deploy/gpu_host/lmcache_gpu.sh install tests bench-2k    # or some of them (one device call each
+#     bash deploy/gpu_host/lmcache_gpu.sh install bench-tail        # if the whole would pass 9 minutes)
+#
+# Steps (each bounded by `timeout`, its whole log in $OUT/<step>.log, its tail printed):
+#   install    pdserve and .lmcache-gpu's wheels into /tmp/site (no index, no deps), tiny models
+#   tests      tests/test_lmcache_pd.py on tiny DeepSeek-V3 (bf16 MLA) and V3.2 (fp8_ds_mla + indexer):
+#              P/D through LMCache token-identical to colocated, prefix reuse across engines,
+#              conditional disaggregation from LMCache's lookup (workers in Redis when redis-server is
+#              on PATH; else static workers, and the test checks the router then has no LMCache hint)
+#   bench-2k   pdserve bench serve --compare --kv-backend pdserve lmcache, 2047-token prompts (7 chunks
+#              of 256 + 255 tokens: pdserve's store hands the partial chunk over as a tail, the LMCache
+#              decode engine recomputes it), c=1 and 8: TTFT, handoff, TPOT per backend
+#   bench-tail the LMCache stack alone at 2048 tokens (chunk-aligned, nothing to recompute): its handoff
+#              minus bench-2k's is what the partial last chunk costs on LMCache
+set -uo pipefail
+
+OUT="${OUT:-/tmp/pdserve-lmcache-gpu}"
+mkdir -p "$OUT"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+WHEELS="${LMCACHE_WHEELS:-$REPO/.lmcache-gpu}"
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+    LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
+export PATH="/tmp/site/bin:$PATH"
+
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name start $(date +%T)"
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc end $(date +%T)"
+    tail -n "${TAIL:-40}" "$OUT/$name.log"
+    return $rc
+}
+
+install() {
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site "$REPO" || return 1
+    if ! python3 -c "import lmcache" 2>/dev/null; then  # a fresh host: merge (see lmcache_check.sh)
+        rm -rf /tmp/lmcache-stage
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lmcache-stage "$WHEELS"/*.whl \
+            && cp -a /tmp/lmcache-stage/. /tmp/site/ && rm -rf /tmp/lmcache-stage || return 1
+    fi
+    for a in deepseek_v3 deepseek_v32; do pdserve model tiny --arch $a --out /tmp/tiny-$a || return 1; done
+    python3 -c "import lmcache, vllm, pdserve.router.lmcache_view; print('lmcache', lmcache.__version__, 'vllm', vllm.__version__)"
+    command -v redis-server || echo "no redis-server: the tests run the workers with static URLs"
+}
+
+bench() {  # LENGTH BACKEND...
+    local len=$1
+    shift
+    pdserve bench serve --compare --kv-backend "$@" --model /tmp/tiny-deepseek_v3 --input-len "$len" \
+        --output-len 32 --num-prompts 8 --max-concurrency 1 8 --disable-tqdm \
+        --result-dir "$OUT" --result-filename "bench-lmcache-$len.json" -- \
+        --load-format dummy --max-model-len 8192 --max-num-seqs 16 --enforce-eager \
+        --kv-cache-memory-bytes 4294967296 --gpu-memory-utilization 0.15
+}
+
+run_step() {
+    case "$1" in
+    install) step install 60 install ;;
+    tests) step tests 240 bash -c "cd /tmp && python3 -m pytest -q -x -p no:cacheprovider '$REPO/tests/test_lmcache_pd.py'" ;;
+    bench-2k) step bench-2k 270 bench 2047 pdserve lmcache ;;
+    bench-tail) step bench-tail 200 bench 2048 lmcache ;;
+    *) echo "unknown step $1" >&2; return 2 ;;
+    esac
+}
+
+status=0
+for s in "${@:-install tests bench-2k bench-tail}"; do
+    for one in $s; do run_step "$one" || status=1; done
+done
+exit $status
