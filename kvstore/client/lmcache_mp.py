@@ -99,7 +99,7 @@ class AsyncLMCacheClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    async def call(self, op: int, *payloads: Any, reply: type = type(None), timeout_s: float | None = None) -> Any:
+    async def call(self, op: int, *payloads: Any, reply: Any = None, timeout_s: float | None = None) -> Any:
         async with self._lock:
             uid = next(self._uids)
             sock = self._socket()
@@ -108,14 +108,14 @@ class AsyncLMCacheClient:
             deadline = asyncio.get_running_loop().time() + (timeout_s or self.timeout_s)
             while True:
                 left = deadline - asyncio.get_running_loop().time()
-                if left <= 0 or not await sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                if left <= 0 or not await sock.poll(timeout=int(left * 1000) + 1):
                     self._reset()
                     raise LMCacheError(f"LMCache server {self.url} did not answer operation {op} in time")
                 frames = await sock.recv_multipart()
                 try:
                     if len(frames) < 2 or msgspec.msgpack.decode(frames[0], type=int) != uid:
                         continue  # a reply to a call that timed out earlier on this socket
-                    return msgspec.msgpack.decode(frames[2], type=reply) if len(frames) > 2 else None
+                    return msgspec.msgpack.decode(frames[2], type=reply or type(None)) if len(frames) > 2 else None
                 except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
                     raise LMCacheError(f"LMCache server {self.url} answered operation {op} with {exc}") from exc
 
