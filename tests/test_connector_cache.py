@@ -98,8 +98,10 @@ def test_arena_pins_register_granules_on_first_use_and_split_payloads_at_their_e
     assert calls == [("reg", 0, GRANULE), ("reg", GRANULE, GRANULE)]
     assert pins.pieces(arena.slice(10, 100)) is not None and len(calls) == 2  # already registered
     assert pins.pieces(memoryview(bytearray(100))) is None  # not in the arena: staged by the caller
+    pins.register_all()  # the background thread's pass: only the granule not yet registered
+    assert calls[2:] == [("reg", 2 * GRANULE, GRANULE)]
     pins.release()
-    assert calls[2:] == [("unreg", 0, 0), ("unreg", GRANULE, 0)]
+    assert calls[3:] == [("unreg", 0, 0), ("unreg", GRANULE, 0), ("unreg", 2 * GRANULE, 0)]
     assert pins.pieces(arena.slice(10, 100)) is None  # released: nothing is pinned any more
     arena.close()
 
