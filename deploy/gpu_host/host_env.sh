@@ -1,0 +1,43 @@
+# Sourced by the GPU host scripts beside it: the environment and the helpers they share.
+#
+# What a bare GPU host (no package index, GPU vLLM unpacked into /tmp/site from the offline
+# bundle) needs, learnt on the H200 host:
+# - run from outside the checkout: in its root `python3 -m pdserve...` finds the checkout's own
+#   pdserve/ folder first, which holds only part of the package (the rest is mapped by pyproject);
+# - pdserve goes into a folder of its own first: `pip install --target /tmp/site` refuses to add to
+#   the bundle's /tmp/site/bin (and --upgrade would replace that folder whole);
+# - the redis client is not in the image and not in vLLM's bundle: prepare the bundle with
+#   EXTRA_DEPS="redis==8.1.0" (or carry its wheel), or nothing that imports the worker loads;
+# - `timeout` runs programs, not shell functions: steps run through `bash -c` with the functions exported.
+
+REPO="${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+OUT="${OUT:-/tmp/pdserve-gpu}"
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
+export PATH="/tmp/site/bin:$PATH" REPO OUT
+cd /tmp || exit 1
+
+# step NAME SECONDS COMMAND...: run COMMAND (a program or an exported function) under a time limit,
+# its output in $OUT/NAME.log, then print the log's tail.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name start $(date +%T)"
+    timeout -k 10 "$limit" bash -c '"$@"' _ "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc end $(date +%T)"
+    tail -n "${TAIL:-30}" "$OUT/$name.log"
+    return $rc
+}
+
+# pdserve (this checkout) beside vLLM in /tmp/site, its `pdserve` script on PATH, and the tiny models.
+install_pdserve() {
+    python3 -c "import redis" 2>/dev/null || { echo "no redis module on this host (see host_env.sh)"; return 1; }
+    rm -rf /tmp/pdsite
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/pdsite "$REPO" || return 1
+    mkdir -p /tmp/site/bin && mv /tmp/pdsite/bin/pdserve /tmp/site/bin/ && rmdir /tmp/pdsite/bin || return 1
+    rm -rf /tmp/site/pdserve /tmp/site/pdserve-*.dist-info && cp -a /tmp/pdsite/. /tmp/site/ || return 1
+    for a in deepseek_v3 deepseek_v32; do pdserve model tiny --arch "$a" --out "/tmp/tiny-$a" >/dev/null || return 1; done
+    python3 -c 'import vllm, pdserve.kvstore.connector.connector as c; print("vllm", vllm.__version__, "pdserve at", c.__file__)'
+}
+export -f install_pdserve
