@@ -49,11 +49,10 @@ up: setup
 test: setup redis
 	$(VENV)/bin/python -m pytest -q tests
 
-# Everything that starts no vLLM engine, GPU kernel, Ray cluster or Docker daemon (the markers
-# `engine`, `gpu`, `ray`, `compose`): unit tests, the store and router against real processes,
-# the import layers, after lint and types. Measured on the 2-core VM while other runs kept its load
-# at 8-20: 12.5 min wall, 171 s of CPU (child processes that import vLLM are most of it).
-FAST_TESTS := not engine and not gpu and not ray and not compose
+# Everything that starts no vLLM engine, GPU kernel, Ray cluster or Docker daemon and imports no
+# vLLM (the markers `engine`, `gpu`, `ray`, `compose`, `slow`; pyproject lists them): unit tests,
+# the store and router against real processes, the import layers, after lint and types.
+FAST_TESTS := not engine and not gpu and not ray and not compose and not slow
 test-fast: setup redis lint
 	$(VENV)/bin/python -m pytest -q -m "$(FAST_TESTS)" tests
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -17,6 +18,22 @@ import pytest
 from pdserve.deploy.cli import main as pdserve_main
 from procs import redis_url as _redis_url
 from procs import start_redis
+
+
+_VLLM_AT_COLLECTION = pytest.StashKey[list[str]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Note whether collecting the test modules imported vLLM (see `vllm_imported_by_collection`)."""
+    session.config.stash[_VLLM_AT_COLLECTION] = sorted(m for m in ("vllm", "pdserve.kvstore.connector.vllm_compat")
+                                                       if m in sys.modules)
+
+
+@pytest.fixture(scope="session")
+def vllm_imported_by_collection(request: pytest.FixtureRequest) -> list[str]:
+    """Modules of vLLM that were imported by collecting the tests: `make test-fast` deselects every
+    test that needs vLLM, but a module that imports it at its top still costs the import (10-30 s)."""
+    return request.config.stash.get(_VLLM_AT_COLLECTION, [])
 
 
 def _tiny_model(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:

@@ -18,7 +18,6 @@ from typing import Iterator
 import httpx
 import pytest
 
-from pdserve.kvstore.connector import vllm_compat
 from pdserve.kvstore.client.client import KVStoreClient
 from pdserve.kvstore.client.keys import chunk_keys
 from procs import Proc, free_port, pdserve_argv, start_process, start_vllm_server
@@ -261,6 +260,8 @@ def test_gemma3_hybrid_pd_equals_colocated(tiny_gemma3: Path) -> None:
     not load for this model: the decode recomputes, loads nothing, and must still answer
     exactly like the colocated run.
     """
+    from pdserve.kvstore.connector import vllm_compat  # imports vLLM: here, not when the module is collected
+
     loads = vllm_compat.PER_REQUEST_LOAD_FAILURES
     extra = ("--prefix-cache-retention-interval", str(CHUNK)) if _has_retention_interval() else ()
     pair = PDPair(tiny_gemma3, extra=extra)

@@ -9,18 +9,20 @@ missed every chunk its workers had saved (handoffs still worked: they only use t
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
-import torch
-from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+import pytest
 
-from pdserve.kvstore.connector.connector import describe_layout
+pytestmark = pytest.mark.slow  # imports vLLM (in the tests, so that collecting this module does not)
 
 LATENT = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 INDEXER = [f"model.layers.{i}.self_attn.indexer.k_cache" for i in range(4)]
 
 
-def _worker_config() -> KVCacheConfig:
+def _worker_config() -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
     specs = {name: MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=656, dtype=torch.uint8,
                                     cache_dtype_str="fp8_ds_mla") for name in LATENT}
     specs |= {name: MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=132, dtype=torch.uint8)
@@ -31,6 +33,11 @@ def _worker_config() -> KVCacheConfig:
 
 
 def test_scheduler_and_worker_halves_share_one_namespace() -> None:
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from pdserve.kvstore.connector.connector import describe_layout
+
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(served_model_name="tiny-v32", model="/models/tiny-v32"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),

