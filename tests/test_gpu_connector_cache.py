@@ -74,12 +74,13 @@ def _store_with(objects: dict[bytes, torch.Tensor]):
     return store, ns
 
 
-def _load(cache, store, ns: str, key: bytes, blocks: list[int], before_load=None) -> None:
-    """One load through the connector's worker IO; returns once it is reported finished."""
+def _load(cache, store, ns: str, key: bytes, blocks: list[int], before_load=None, shm: bool | None = None) -> None:
+    """One load through the connector's worker IO (over shared memory unless `shm` is False);
+    returns once it is reported finished."""
     from pdserve.kvstore.connector.plan import ObjectSpec, TransferJob
     from pdserve.kvstore.connector.worker_side import WorkerIO
 
-    io = WorkerIO({"url": store.url}, ns, [cache], writes=False)
+    io = WorkerIO({"url": store.url, "shm": shm}, ns, [cache], writes=False)
     try:
         if before_load is not None:
             before_load()
@@ -161,8 +162,6 @@ def test_a_same_host_load_uploads_straight_from_the_store_arena() -> None:
     ever allocated); over TCP the frames are staged. Both land the same bytes."""
     from pdserve.kvstore.connector import host_pins
     from pdserve.kvstore.connector.cache import GroupCache
-    from pdserve.kvstore.connector.plan import ObjectSpec, TransferJob
-    from pdserve.kvstore.connector.worker_side import WorkerIO
 
     src = GroupCache(_layers([656, 132]))
     blocks = [1, 7, 3, 12]
@@ -171,18 +170,7 @@ def test_a_same_host_load_uploads_straight_from_the_store_arena() -> None:
     try:
         for shm in (None, False):
             dst = GroupCache(_layers([656, 132]))
-            io = WorkerIO({"url": store.url, "shm": shm}, ns, [dst], writes=False)
-            try:
-                dst.fence()
-                io.load(TransferJob("r", [ObjectSpec(0, b"s" * 16, blocks)]))
-                done: list = []
-                for _ in range(600):
-                    done += io.finished_loads(wait_s=0.1)
-                    if done:
-                        break
-                assert done and done[0].ok
-            finally:
-                io.close()
+            _load(dst, store, ns, b"s" * 16, blocks, shm=shm)
             for a, b in zip(src.views, dst.views):
                 assert torch.equal(a[blocks], b[blocks])
             if shm is None:
