@@ -64,6 +64,8 @@ ARCHS = {"deepseek_v3": (), "deepseek_v32": ("--kv-cache-dtype", "fp8_ds_mla")}
 # Lengths straddle LMCache chunks (256) and KV blocks (16 or 64 on a GPU, 128 on the CPU).
 LENGTHS = (100, 255, 256, 257, 600, 1025) if not ON_GPU else (40, 255, 256, 257, 1000, 1025, 2047, 3000)
 TIMEOUT = httpx.Timeout(300.0)
+# LMCache touches its whole L1 at start (on the CPU, 1 GiB of resident memory at once): small here.
+L1_GB = 1.0 if ON_GPU else 0.25
 ENV = {"VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **lmcache_server.ENV,
        **({} if ON_GPU else {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"})}
 
@@ -85,7 +87,7 @@ class LMCacheStack:
         self.lm_port, self.lm_http = free_port(), free_port()
         self.lmcache_url = f"tcp://127.0.0.1:{self.lm_port}"
         self.procs.append(start_process(
-            lmcache_server.server_argv(self.lm_port, self.lm_http, chunk_size=CHUNK, l1_size_gb=1, max_workers=4),
+            lmcache_server.server_argv(self.lm_port, self.lm_http, chunk_size=CHUNK, l1_size_gb=L1_GB, max_workers=4),
             lmcache_server.health_url(self.lm_http), name="lmcache", port=self.lm_port, env=ENV, timeout=180))
         args = engine_args(arch)
         self.prefill_port, self.decode_port, self.coloc_port = free_port(), free_port(), free_port()
