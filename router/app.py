@@ -32,6 +32,8 @@ from pdserve.router.flow.call import Call
 from pdserve.router.flow.pd_flow import PDFlow
 from pdserve.router.policies import make_policy
 from pdserve.router.pool import Pool
+from pdserve.router.prefill_estimate import QueueEstimate
+from pdserve.router.queue_view import QueueView
 from pdserve.router.requests import Route, read_body, validate
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
@@ -74,13 +76,24 @@ class Router:
         for pool in (self.prefill, self.decode):
             pool.recheck = lambda w, pool=pool: self.health.check_soon(pool, [w])
         self.tokens = PromptTokens(self.http, self.worker_headers, self.cfg.tokenizer)
+        self.queue_view = (
+            QueueView((self.prefill, self.decode), self.http, self.worker_headers, self.cfg.pd_queue_poll_interval,
+                      self.metrics)
+            if self.cfg.pd_queue_aware else None
+        )
+        self.queue = QueueEstimate(self.queue_view)
+        self.metrics.follow_token_cost("prefill", lambda: self.queue.prefill.per_token)
+        self.metrics.follow_token_cost("decode", lambda: self.queue.recompute.per_token)
         self.flow = PDFlow(
             self.cfg, self.prefill, self.decode, make_policy(self.cfg.prefill_policy),
             make_policy(self.cfg.decode_policy), self.http, self.tokens, self.store, self.metrics, self.worker_headers,
+            self.queue,
         )
         if self.watcher is not None:
             await self.watcher.start()
         await self.health.start()
+        if self.queue_view is not None:
+            self.queue_view.start()
         if self.prefill.workers:  # token counts are needed only to decide about a prefill leg
             self.tokens.prepare(self.cfg.model)
             for card in self.decode.model_cards() + self.prefill.model_cards():
@@ -91,6 +104,8 @@ class Router:
         if self.watcher is not None:
             await self.watcher.stop()
         await self.health.stop()
+        if self.queue_view is not None:
+            await self.queue_view.stop()
         await self.flow.drain()
         await self.tokens.stop()
         await self.store.close()

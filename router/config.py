@@ -32,6 +32,8 @@ class RouterConfig:
     pd_min_prompt_tokens: int = 256
     pd_max_cached_fraction: float = 0.5  # prompts this much in the store already skip the prefill leg
     pd_overlap: bool = True  # send the decode leg with the prefill leg (it waits in the store for the KV)
+    pd_queue_aware: bool = True  # decode-only when the prefill queue would delay a prompt more than recomputing it
+    pd_queue_poll_interval: float = 0.5  # seconds between scrapes of each worker's /metrics (its queue)
     api_key: str | None = None
     kvstore_auth_token: str | None = None  # for the router's prefix lookups and tail drops
     max_inflight_per_worker: int = 64
@@ -60,7 +62,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         positive = ("max_inflight_per_worker", "prefill_timeout", "decode_timeout", "connect_timeout",
                     "health_interval", "breaker_failures", "max_request_bytes", "queue_timeout", "header_timeout",
-                    "body_timeout")
+                    "body_timeout", "pd_queue_poll_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -92,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd-overlap", action=argparse.BooleanOptionalAction, default=d["pd_overlap"].default,
                    help="send the decode leg at the same time as the prefill leg (its KV load waits in the "
                         "store for the prefill's upload); --no-pd-overlap sends it after the prefill answers")
+    p.add_argument("--pd-queue-aware", action=argparse.BooleanOptionalAction, default=d["pd_queue_aware"].default,
+                   help="send a prompt decode-only when the prefill workers' queue would delay it more than "
+                        "recomputing it on a decode worker costs (both measured from finished requests)")
+    p.add_argument("--pd-queue-poll-interval", type=float, default=d["pd_queue_poll_interval"].default,
+                   help="seconds between scrapes of each worker's /metrics for its queue; snapshots older than "
+                        "twice this are ignored")
     p.add_argument("--api-key", default=None, help="Bearer key clients must send; also sent to workers")
     add_client_token_flag(p, "for prefix lookups and tail drops")
     p.add_argument("--max-inflight-per-worker", type=int, default=d["max_inflight_per_worker"].default)
@@ -135,6 +143,8 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             pd_min_prompt_tokens=a.pd_min_prompt_tokens,
             pd_max_cached_fraction=a.pd_max_cached_fraction,
             pd_overlap=a.pd_overlap,
+            pd_queue_aware=a.pd_queue_aware,
+            pd_queue_poll_interval=a.pd_queue_poll_interval,
             api_key=a.api_key,
             kvstore_auth_token=a.kvstore_auth_token,
             max_inflight_per_worker=a.max_inflight_per_worker,

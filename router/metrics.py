@@ -6,6 +6,8 @@ process, as tests run them, never collide, and /metrics shows only router series
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets from sub-millisecond (router overhead, ITL) to minutes (CPU prefill).
@@ -51,6 +53,15 @@ class RouterMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1),
             registry=r,
         )
+        self.queue_scrapes = Counter(
+            "pdserve_router_queue_scrapes", "Scrapes of workers' /metrics for their queue, by outcome (ok, bad, failed)",
+            ["role", "outcome"], registry=r,
+        )
+        self.token_seconds = Gauge(
+            "pdserve_router_token_seconds",
+            "Learned seconds per prompt token: prefill legs (pool=prefill), decode-only recomputes (pool=decode)",
+            ["pool"], registry=r,
+        )
         self.retries = Counter("pdserve_router_retries", "Legs retried on another worker", ["leg"], registry=r)
         self.queue_depth = Gauge(
             "pdserve_router_queue_depth", "Requests waiting for a free worker", ["role"], registry=r
@@ -60,6 +71,10 @@ class RouterMetrics:
             "pdserve_router_worker_healthy", "1 when the worker takes requests (healthy, breaker closed)",
             ["role", "worker"], registry=r,
         )
+
+    def follow_token_cost(self, pool: str, per_token: Callable[[], float | None]) -> None:
+        """Show a learned per-token cost (0 while unknown), read when /metrics is asked."""
+        self.token_seconds.labels(pool).set_function(lambda: per_token() or 0.0)
 
     def forget_worker(self, role: str, worker: str) -> None:
         """Drop a departed worker's series so /metrics does not report ghosts."""

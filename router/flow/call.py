@@ -20,6 +20,7 @@ from starlette.requests import Request
 
 from pdserve.router.errors import RouterError
 from pdserve.router.pool import Worker
+from pdserve.router.prefill_estimate import Recompute
 from pdserve.router.requests import Route
 
 T = TypeVar("T")
@@ -45,6 +46,7 @@ class Call:
     kv_params: dict[str, Any] | None = None  # from the prefill response: owns a store tail until decode ends
     prefill_worker: Worker | None = None  # the worker whose prefill answered
     finished: bool = False  # the decode leg completed (its worker consumed the tail)
+    recompute: Recompute | None = None  # sent decode-only for the prefill queue: counted until its first token
 
     @property
     def model(self) -> str | None:

@@ -2,11 +2,13 @@
 
 Decode-only when the request cannot share one prefill (a batch of prompts, n > 1 or beam
 search: vLLM would fork child requests that all claim the prefill's one tail), when no
-prefill worker is available, when the prompt is short (`--pd-min-prompt-tokens`) or when
-the KV store already holds most of it (`--pd-max-cached-fraction`); else P/D. The token
-count and the store's prefix hits found on the way go to the workers' policies. "The KV
-store" is each backend's: pdserve's stores (store_view.py) and the LMCache servers of the
-prefill workers on that backend (lmcache_view.py), asked together.
+prefill worker is available, when the prompt is short (`--pd-min-prompt-tokens`), when
+the KV store already holds most of it (`--pd-max-cached-fraction`) or when the prefill
+workers' queue would delay it longer than a decode worker takes to recompute it
+(`--pd-queue-aware`, figures from prefill_estimate.py); else P/D. The token count and the
+store's prefix hits found on the way go to the workers' policies. "The KV store" is each
+backend's: pdserve's stores (store_view.py) and the LMCache servers of the prefill workers
+on that backend (lmcache_view.py), asked together.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.flow.call import Call
 from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.pool import Pool, RouteContext, Worker
+from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 
@@ -32,10 +35,12 @@ def _forks(body: dict[str, Any]) -> bool:
 
 
 class PathPlanner:
-    def __init__(self, cfg: RouterConfig, prefill: Pool, tokens: PromptTokens, store: StoreView,
-                 lmcache: LMCacheView) -> None:
+    def __init__(self, cfg: RouterConfig, prefill: Pool, decode: Pool, tokens: PromptTokens, store: StoreView,
+                 lmcache: LMCacheView, queue: QueueEstimate) -> None:
         self.cfg = cfg
         self.prefill = prefill
+        self.decode = decode
+        self.queue = queue
         self.tokens = tokens
         self.store = store
         self.lmcache = lmcache
@@ -60,6 +65,12 @@ class PathPlanner:
             ctx.prefix_tokens = await self._prefix_tokens(ids, call.body.get("cache_salt"), prefill_workers)
             if ctx.prefix_tokens and max(ctx.prefix_tokens.values()) >= self.cfg.pd_max_cached_fraction * len(ids):
                 return "decode_only_cached", ctx
+        if self.cfg.pd_queue_aware:
+            wait = self.queue.prefill_wait(prefill_workers)
+            recompute = self.queue.recompute_cost(ctx.prompt_tokens, self.decode.candidates(call.model))
+            if wait is not None and recompute is not None and wait > recompute:
+                call.recompute = self.queue.start_recompute(ctx.prompt_tokens)
+                return "decode_only_prefill_queue", ctx
         return "pd", ctx
 
     async def _prefix_tokens(self, ids: list[int], salt: Any, workers: list[Worker]) -> dict[str, int]:

@@ -1,8 +1,8 @@
 """The two-leg request: prefill on a prefill worker, then decode (streamed) on a decode worker.
 
 `PDFlow` runs one request through the modules beside it, in data-path order:
-1. paths.py: plan the path: decode-only (short, cached, batched or forking requests, or
-   no prefill worker) or P/D;
+1. paths.py: plan the path: decode-only (short, cached, batched or forking requests, no
+   prefill worker, or a prefill queue longer than a recompute) or P/D;
 2. prefill_leg.py: the prefill leg (one token; the prefill worker's connector saves the
    prompt's KV to the store) and the decode leg's body built from its answer;
 3. decode_leg.py: the decode leg (its worker's connector loads the KV), retried on
@@ -51,6 +51,7 @@ from pdserve.router.flow.relay import Relay
 from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Policy, Pool, RouteContext, Worker
+from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 
@@ -70,14 +71,15 @@ class PDFlow:
         store: StoreView,
         metrics: RouterMetrics,
         headers: dict[str, str],
+        queue: QueueEstimate,
     ) -> None:
         self.cfg = cfg
         self.decode = decode
         self.store = store
         self.metrics = metrics
         self.lmcache = LMCacheView()
-        self.paths = PathPlanner(cfg, prefill, tokens, store, self.lmcache)
-        self.prefill_leg = PrefillLeg(cfg, prefill, prefill_policy, http, headers, store, metrics)
+        self.paths = PathPlanner(cfg, prefill, decode, tokens, store, self.lmcache, queue)
+        self.prefill_leg = PrefillLeg(cfg, prefill, prefill_policy, http, headers, store, metrics, queue.prefill)
         self.decode_legs = DecodeLegs(cfg, decode, decode_policy, http, headers, metrics)
         self.relay = Relay(self.decode_legs, metrics, self._end)
         self._background: set[asyncio.Task] = set()
@@ -162,6 +164,8 @@ class PDFlow:
 
     def _end(self, call: Call) -> None:
         """A request that had a prefill but no completed decode leaves a tail in the store: free it."""
+        if call.recompute is not None:
+            call.recompute.release()
         if call.kv_params and not call.finished:
             self._spawn(self.store.drop_tail(call.kv_params))
 

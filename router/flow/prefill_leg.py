@@ -26,6 +26,7 @@ from pdserve.router.errors import RouterError
 from pdserve.router.flow.call import ERROR_REPLY_WORKERS, Call, UpstreamResponse
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Policy, Pool, RouteContext, Worker
+from pdserve.router.prefill_estimate import TokenCost
 from pdserve.router.requests import PATHS
 from pdserve.router.store_view import StoreView
 from pdserve.router.upstream import UPSTREAM_ERRORS, describe
@@ -75,13 +76,14 @@ def decode_payload(call: Call, prefill: dict[str, Any]) -> bytes:
 
 class PrefillLeg:
     def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: aiohttp.ClientSession,
-                 headers: dict[str, str], store: StoreView, metrics: RouterMetrics) -> None:
+                 headers: dict[str, str], store: StoreView, metrics: RouterMetrics, cost: TokenCost) -> None:
         self.pool = pool
         self.policy = policy
         self.http = http
         self.headers = headers
         self.store = store
         self.metrics = metrics
+        self.cost = cost  # learns the prefill pool's speed from each answered leg
         self.timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, connect=cfg.connect_timeout)
 
     async def run(
@@ -103,7 +105,7 @@ class PrefillLeg:
             tried.add(slot.worker.id)
             if chosen is not None and not chosen.done():
                 chosen.set_result(slot.worker)
-            with slot:
+            with slot, self.cost.leg(slot.worker, ctx.prompt_tokens) as timing:
                 t = time.perf_counter()
                 call.t_first_call = call.t_first_call or t
                 try:
@@ -111,6 +113,7 @@ class PrefillLeg:
                         slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout
                     ) as resp:
                         status, content = resp.status, await resp.read()
+                    timing.ok = status == 200
                 except UPSTREAM_ERRORS as exc:
                     slot.failed(exc)
                     log.warning("prefill on %s failed (%s); trying another worker", slot.worker.url, describe(exc))

@@ -142,6 +142,8 @@ class Relay:
     def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float, relay_s: float) -> None:
         self.metrics.ttft.labels(call.route).observe(now - call.t0)
         self.metrics.leg.labels("decode").observe(now - leg.t_sent)
+        if call.recompute is not None:
+            call.recompute.first_token(leg.slot.worker, leg.t_sent, now)
         own = (call.t_first_call or leg.t_sent) - call.t0 + relay_s
         if leg.t_prefill_done is not None:
             self.metrics.handoff.observe(now - leg.t_prefill_done)

@@ -1,0 +1,169 @@
+"""How long a prompt would wait for a prefill worker, and what recomputing it on a decode worker costs.
+
+Both come from per-token costs the router learns from its own finished requests
+(`TokenCost`, an EWMA):
+- prefill: each prefill leg's service time over its prompt tokens. A leg's service
+  begins when it was sent or when the previous leg on that worker ended, whichever
+  is later, so a leg that queued behind others counts only its own share. The sums
+  telescope to a worker's busy time over the tokens it served, which stays right
+  when an engine batches several prompts into one step or chunks them over several.
+- recompute: a decode-only request's time to first token over its prompt tokens,
+  counted the same way per decode worker (the decode side's prefill speed, with
+  the streams it decodes meanwhile).
+Before any prefill leg has finished there is no estimate, and the planner keeps
+P/D; until a decode-only recompute has been measured it is assumed to cost what a
+prefill does (same model, same kind of engine).
+
+A prefill worker's backlog is counted in tokens, not requests: what delays a new
+prompt is the prompt tokens ahead of it, and vLLM's running count says nothing of how
+far each prompt is (with chunked prefill a running request may be 5% or 95% done).
+The backlog is the router's own in-flight prompt tokens on the worker (exact and
+current between scrapes), less what the worker has served of them since its current
+busy stretch began, plus the requests of others its last queue scrape saw
+(queue_view.py), at the mean prompt length.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from pdserve.router.pool import Worker
+from pdserve.router.queue_view import QueueView
+
+ALPHA = 0.2  # weight of the newest leg: about the last ten legs count
+# Shorter prompts' times are mostly fixed costs (HTTP, scheduling, one step), not per-token work.
+LEARN_MIN_TOKENS = 64
+
+
+class TokenCost:
+    """Seconds per prompt token of one pool, learned from finished legs (see the module docstring)."""
+
+    def __init__(self, prior: "TokenCost | None" = None) -> None:
+        self.prior = prior  # what to assume until this pool has a sample of its own
+        self.samples = 0
+        self._seconds = 0.0  # EWMA of a leg's service seconds
+        self._tokens = 0.0  # EWMA of a leg's prompt tokens (so _seconds / _tokens is per token)
+        self._last_end: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
+        self._open: weakref.WeakKeyDictionary[Worker, int] = weakref.WeakKeyDictionary()
+        self._busy_since: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
+
+    @property
+    def per_token(self) -> float | None:
+        if self.samples:
+            return self._seconds / self._tokens
+        return self.prior.per_token if self.prior is not None else None
+
+    @property
+    def mean_tokens(self) -> float | None:
+        """The recent legs' mean prompt length."""
+        return self._tokens if self.samples else None
+
+    def observe(self, w: Worker, tokens: int, t_sent: float, t_end: float, learn: bool = True) -> None:
+        """A leg on `w` sent at `t_sent` ended at `t_end` (learn=False: it failed, nothing to learn)."""
+        last = self._last_end.get(w, t_sent)
+        self._last_end[w] = max(last, t_end)
+        if not learn or tokens < LEARN_MIN_TOKENS:
+            return
+        service = max(0.0, t_end - max(t_sent, last))
+        if self.samples == 0:
+            self._seconds, self._tokens = service, float(tokens)
+        else:
+            self._seconds += ALPHA * (service - self._seconds)
+            self._tokens += ALPHA * (tokens - self._tokens)
+        self.samples += 1
+
+    @contextmanager
+    def leg(self, w: Worker, tokens: int) -> Iterator["LegTiming"]:
+        """Time one leg on `w`; it is learned from when the caller sets `ok` (an answer worth learning from)."""
+        timing = LegTiming(time.perf_counter())
+        if not self._open.get(w):
+            self._busy_since[w] = timing.t_sent
+        self._open[w] = self._open.get(w, 0) + 1
+        try:
+            yield timing
+        finally:
+            self._open[w] -= 1
+            self.observe(w, tokens, timing.t_sent, time.perf_counter(), timing.ok)
+
+    def served_since_busy(self, w: Worker, now: float) -> float:
+        """Prompt tokens `w` has served of its open legs: its time since the current busy stretch began
+        (or its last leg ended, if later) at this pool's speed."""
+        per_token = self.per_token
+        if not self._open.get(w) or not per_token:
+            return 0.0
+        began = self._busy_since[w]
+        began = max(began, self._last_end.get(w, began))
+        return max(0.0, now - began) / per_token
+
+
+@dataclass
+class LegTiming:
+    t_sent: float
+    ok: bool = False
+
+
+class Recompute:
+    """A prompt sent decode-only to be recomputed, until its first token: part of the decode side's backlog.
+
+    Held by the request; once it is released, or the request is gone, it no longer counts."""
+
+    def __init__(self, estimate: "QueueEstimate", tokens: int) -> None:
+        self.estimate = estimate
+        self.tokens = tokens
+        estimate._recomputing.add(self)
+
+    def first_token(self, w: Worker, t_sent: float, t_first: float) -> None:
+        """The decode worker `w`, sent the request at `t_sent`, streamed its first token at `t_first`."""
+        if self in self.estimate._recomputing:
+            self.estimate.recompute.observe(w, self.tokens, t_sent, t_first)
+        self.release()
+
+    def release(self) -> None:
+        self.estimate._recomputing.discard(self)
+
+
+class QueueEstimate:
+    """The figures the path planner weighs: a prefill worker's wait and a decode worker's recompute, in seconds."""
+
+    def __init__(self, view: QueueView | None) -> None:
+        self.view = view  # None: no scrapes (queue-aware paths are off), own accounting only
+        self.prefill = TokenCost()
+        self.recompute = TokenCost(prior=self.prefill)
+        self._recomputing: weakref.WeakSet[Recompute] = weakref.WeakSet()
+
+    def backlog_tokens(self, w: Worker, now: float) -> float:
+        """Prompt tokens ahead of a new prompt on prefill worker `w`."""
+        own = max(0.0, w.inflight_tokens - self.prefill.served_since_busy(w, now))
+        snap = self.view.snapshot(w) if self.view is not None else None
+        if snap is None or not snap.foreign:
+            return own
+        return own + snap.foreign * (self.prefill.mean_tokens or 0.0)
+
+    def prefill_wait(self, workers: Sequence[Worker], now: float | None = None) -> float | None:
+        """Seconds before the least backlogged of `workers` would start a new prompt; None while unknown."""
+        per_token = self.prefill.per_token
+        if per_token is None or not workers:
+            return None
+        now = time.perf_counter() if now is None else now
+        return min(self.backlog_tokens(w, now) for w in workers) * per_token
+
+    def recompute_cost(self, tokens: int, workers: Sequence[Worker]) -> float | None:
+        """Seconds for a decode worker to recompute `tokens` behind the recomputes already under way;
+        None while unknown or when every decode worker has requests waiting for a batch slot."""
+        per_token = self.recompute.per_token
+        free = [w for w in workers if not self._capacity_queued(w)]
+        if per_token is None or not free:
+            return None
+        ahead = sum(r.tokens for r in self._recomputing) / len(free)
+        return (ahead + tokens) * per_token
+
+    def _capacity_queued(self, w: Worker) -> bool:
+        snap = self.view.snapshot(w) if self.view is not None else None
+        return snap is not None and bool(snap.counts.capacity_waiting)
+
+    def start_recompute(self, tokens: int) -> Recompute:
+        return Recompute(self, tokens)
