@@ -48,7 +48,7 @@ class TokenCost:
         self._seconds = 0.0  # EWMA of a leg's service seconds
         self._tokens = 0.0  # EWMA of a leg's prompt tokens (so _seconds / _tokens is per token)
         self._last_end: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
-        self._open: weakref.WeakKeyDictionary[Worker, int] = weakref.WeakKeyDictionary()
+        self._open: weakref.WeakKeyDictionary[Worker, list[int]] = weakref.WeakKeyDictionary()  # open legs' tokens
         self._busy_since: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
 
     @property
@@ -80,24 +80,26 @@ class TokenCost:
     def leg(self, w: Worker, tokens: int) -> Iterator["LegTiming"]:
         """Time one leg on `w`; it is learned from when the caller sets `ok` (an answer worth learning from)."""
         timing = LegTiming(time.perf_counter())
-        if not self._open.get(w):
+        legs = self._open.setdefault(w, [])
+        if not legs:
             self._busy_since[w] = timing.t_sent
-        self._open[w] = self._open.get(w, 0) + 1
+        legs.append(tokens)
         try:
             yield timing
         finally:
-            self._open[w] -= 1
+            legs.remove(tokens)
             self.observe(w, tokens, timing.t_sent, time.perf_counter(), timing.ok)
 
     def served_since_busy(self, w: Worker, now: float) -> float:
         """Prompt tokens `w` has served of its open legs: its time since the current busy stretch began
-        (or its last leg ended, if later) at this pool's speed."""
-        per_token = self.per_token
-        if not self._open.get(w) or not per_token:
+        (or its last leg ended, if later) at this pool's speed. No open leg has ended since, so at most
+        the largest of them is done: a worker that stalls is not taken to have served its queue."""
+        per_token, legs = self.per_token, self._open.get(w)
+        if not legs or not per_token:
             return 0.0
         began = self._busy_since[w]
         began = max(began, self._last_end.get(w, began))
-        return max(0.0, now - began) / per_token
+        return min(float(max(legs)), max(0.0, now - began) / per_token)
 
 
 @dataclass
