@@ -237,6 +237,15 @@ async def router_totals(client: httpx.AsyncClient, base_url: str) -> dict[str, t
             for key, name in _ROUTER_SERIES.items()}
 
 
+def router_paths(base_url: str) -> dict[str, float]:
+    """The router's requests so far by path (pd, pd_overlap, decode_only_<why>)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    return {s.labels["path"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == "pdserve_router_paths" for s in fam.samples if s.name.endswith("_total")}
+
+
 def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
     """Mean ms per request over a run, from the router's histograms: the handoff measured where it
     happens (prefill response to first decode token), free of the prefill-time noise in a TTFT difference."""
@@ -434,6 +443,8 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
               f"{m['request_throughput']:>8.2f}{m['output_throughput']:>10.1f}"
               f"{m['ttft_ms']['p50']:>10.1f}{m['ttft_ms']['p90']:>9.1f}{m['ttft_ms']['p99']:>9.1f}"
               f"{m['tpot_ms']['p50']:>10.2f}{m['itl_ms']['p50']:>9.2f}{m['itl_ms']['p99']:>9.2f}")
+        if m.get("paths"):  # the warm-up request counts too
+            print(f"{'':<20}paths: " + ", ".join(f"{k} {v:g}" for k, v in sorted(m["paths"].items())))
         if "goodput" in m:
             g = m["goodput"]
             print(f"{'':<20}goodput {g['request_throughput']:.2f} req/s ({g['fraction']:.0%} within {g['slo_ms']})")
@@ -537,14 +548,19 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
     if "pdserve" in cfg.kv_backends:
         pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
         with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), \
-                second_router(pd, "--no-pd-overlap") as sequential_url:
+                second_router(pd, "--no-pd-overlap") as sequential_url, \
+                second_router(pd, "--no-pd-queue-aware") as blind_url:
             decode_url = pd.worker_urls("decode")[0]
             for conc in cfg.max_concurrency:
-                # The stack's router overlaps the legs (the default); the second sends them in sequence.
-                for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url)):
-                    before = read_counters(decode_url)
+                # The stack's router overlaps the legs and skips a long prefill queue (the defaults);
+                # the second sends the legs in sequence, the third always disaggregates.
+                for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url),
+                                   ("pd-queue-blind", blind_url)):
+                    before, paths_before = read_counters(decode_url), router_paths(url)
                     level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc]))
                     level[0].metrics["decode_loads"] = load_phase_means(before, read_counters(decode_url))
+                    paths = {k: v - paths_before.get(k, 0.0) for k, v in router_paths(url).items()}
+                    level[0].metrics["paths"] = {k: v for k, v in paths.items() if v}
                     runs += level
     if "lmcache" in cfg.kv_backends:
         runs += lmcache_runs(cfg, bench, prompts, stack)
