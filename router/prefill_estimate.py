@@ -146,7 +146,10 @@ class QueueEstimate:
         return own + snap.foreign * (self.prefill.mean_tokens or 0.0)
 
     def prefill_wait(self, workers: Sequence[Worker], now: float | None = None) -> float | None:
-        """Seconds before the least backlogged of `workers` would start a new prompt; None while unknown."""
+        """Seconds before the least backlogged of `workers` would start a new prompt; None while unknown.
+        Asking keeps the queue scrapes going (the router has traffic)."""
+        if self.view is not None:
+            self.view.touch()
         per_token = self.prefill.per_token
         if per_token is None or not workers:
             return None

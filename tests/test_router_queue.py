@@ -137,6 +137,9 @@ async def test_scrapes_keep_good_snapshots_and_drop_the_rest(workers: dict[str, 
         view = QueueView([pool], http, {}, interval=0.2, metrics=metrics)
         view.start()
         try:
+            await asyncio.sleep(0.5)  # no traffic: no scrapes
+            assert metrics.queue_scrapes.labels("prefill", "ok")._value.get() == 0
+            QueueEstimate(view).prefill_wait([])  # a path decision: the router has traffic
             for _ in range(200):
                 await asyncio.sleep(0.05)
                 failed = metrics.queue_scrapes.labels("prefill", "failed")._value.get()
@@ -257,6 +260,9 @@ class _Snapshots(QueueView):
 
     def snapshot(self, w: Worker, now: float | None = None) -> QueueSnapshot | None:
         return self.snaps.get(w)
+
+    def touch(self) -> None:
+        pass
 
 
 def test_backlog_is_own_tokens_plus_foreign_requests_at_the_mean_length() -> None:

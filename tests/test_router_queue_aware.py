@@ -65,14 +65,13 @@ def test_a_prefill_queue_sends_prompts_decode_only_and_tokens_stay_identical(pd_
     stuck_ids: dict[str, list[int]] = {}
     stopped = False
     try:
-        for role in ("prefill", "decode"):
-            wait_until(lambda: metric(router.url, "pdserve_router_queue_scrapes_total",
-                                      {"role": role, "outcome": "ok"}) >= 1, what=f"a {role} queue scrape")
-
         # Idle: P/D, and the prefill legs teach the router the prefill speed.
         answers = {p: complete(router.url, model, p) for p in (long_prompt(200, seed=60), long_prompt(200, seed=61))}
         assert paths(router.url) == {"pd": 1, "pd_overlap": 1, "decode_only_prefill_queue": 0}
         assert metric(router.url, "pdserve_router_token_seconds", {"pool": "prefill"}) > 0
+        for role in ("prefill", "decode"):  # with traffic, the router scrapes both workers' queues
+            wait_until(lambda: metric(router.url, "pdserve_router_queue_scrapes_total",
+                                      {"role": role, "outcome": "ok"}) >= 1, what=f"a {role} queue scrape")
 
         # Three prompts stuck in a stopped prefill engine: about two prompts of backlog past the one in service.
         os.killpg(stack.prefill.pid, signal.SIGSTOP)
