@@ -21,6 +21,7 @@ from aiohttp import web
 from pdserve.router.config import RouterConfig, config_from_args
 from pdserve.router.flow.call import Call
 from pdserve.router.flow.paths import PathPlanner
+from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, Worker
 from pdserve.router.prefill_estimate import LEARN_MIN_TOKENS, QueueEstimate, TokenCost
@@ -309,7 +310,7 @@ async def _plan(cfg: RouterConfig, est: QueueEstimate, prefill_backlog: int) -> 
         w.healthy = True
     prefill.workers["http://p"].inflight_tokens = prefill_backlog
     async with aiohttp.ClientSession() as http:
-        planner = PathPlanner(cfg, prefill, decode, PromptTokens(http, {}, None), StoreView(), est)
+        planner = PathPlanner(cfg, prefill, decode, PromptTokens(http, {}, None), StoreView(), LMCacheView(), est)
         call = Call(route="completions", raw=b"{}", body={"prompt": list(range(1000))}, request_id="r")
         path, ctx = await planner.plan(call)
     assert ctx.prompt_tokens == 1000
