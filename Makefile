@@ -59,7 +59,7 @@ test-fast: setup redis lint
 # ruff on everything; mypy on the packages whose types are clean (MYPY_PACKAGES), read through
 # links named as they are imported (mypy cannot follow pyproject's package map; see [tool.mypy]).
 MYPY_PACKAGES := pdserve/router pdserve/worker pdserve/prefill_worker pdserve/decode_worker \
-	pdserve/kvstore pdserve/kernels
+	pdserve/kvstore pdserve/kernels pdserve/deploy pdserve/bench
 lint: setup
 	$(VENV)/bin/ruff check .
 	rm -rf .mypy-src && mkdir -p .mypy-src/pdserve

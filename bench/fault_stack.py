@@ -38,8 +38,11 @@ START_TIMEOUT_S = 1200.0
 
 
 class RedisHandle(Protocol):
-    port: int | None
-    popen: subprocess.Popen
+    @property
+    def port(self) -> int | None: ...
+
+    @property
+    def popen(self) -> subprocess.Popen: ...
 
     def stop(self) -> object: ...
 
@@ -304,7 +307,7 @@ class FaultStack:
         body = self.ready()
         return (body.get("prefill", {}).get("healthy") == self.cfg.num_prefill
                 and body.get("decode", {}).get("healthy") == self.cfg.num_decode
-                and self.live_tails() is not None and redis_pongs(self.redis.port))
+                and self.live_tails() is not None and self.redis.port is not None and redis_pongs(self.redis.port))
 
     def live_tails(self) -> float | None:
         try:

@@ -364,7 +364,7 @@ def format_table(rows: Sequence[Row]) -> str:
 # ---------------------------------------------------------------- soak
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def _pct(values: list[float], q: int) -> float | None:
     if not values:
         return None
     if len(values) == 1:

@@ -18,7 +18,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, TypedDict
 
 import torch
 
@@ -123,7 +123,7 @@ def _caches(layers: int, blocks: int, block_size: int, row_bytes: int,
 
 
 def bench_paged(bench: Bench, layers: int, block_size: int, row_bytes: int, min_bytes: int,
-                configs: list[tuple[int, int]]) -> list[Row]:
+                configs: list[tuple[int | None, int | None]]) -> list[Row]:
     from pdserve.kernels import paged
 
     listed = math.ceil(min_bytes / (layers * block_size * row_bytes))
@@ -135,9 +135,11 @@ def bench_paged(bench: Bench, layers: int, block_size: int, row_bytes: int, min_
     shape = f"{layers}L x {listed}blk x {block_size} x {row_bytes}B"
     moved = 2 * buf.numel()
     rows = []
-    for tile, warps in configs:
+    for i, (tile_or_default, warps_or_default) in enumerate(configs):
+        tile = paged.TILE_BYTES if tile_or_default is None else tile_or_default  # 'default': the kernel's own
+        warps = paged.NUM_WARPS if warps_or_default is None else warps_or_default
         config = f"tile={tile // 1024}K w={warps}"
-        first = (tile, warps) == configs[0]
+        first = i == 0
         rows.append(bench.row(
             "gather", shape, config, moved,
             lambda: paged.gather_triton(caches, ids, buf, tile_bytes=tile, num_warps=warps),
@@ -165,6 +167,18 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 CODEC_OPS = ("encode_v32", "decode_v32", "encode_v4", "decode_v4")
+
+
+class _Launch(TypedDict, total=False):
+    """Keyword arguments of a codec's Triton launch that the bench varies."""
+
+    native: bool | None
+    block_t: int | None
+    num_warps: int | None
+
+
+class _EncodeLaunch(_Launch, total=False):
+    variant: str | None  # encoders only
 
 
 def _variant_spec(spec: str | None) -> tuple[str | None, list[tuple[int | None, int | None]] | None]:
@@ -199,7 +213,7 @@ def bench_codecs(bench: Bench, min_bytes: int, block_size: int, natives: list[bo
     for native in natives:
         for variant, _ in specs if native else [(None, None)]:
             tag = f"native={native}" + (f" variant={variant}" if variant else "")
-            kw = dict(native=native, variant=variant)
+            kw: _EncodeLaunch = {"native": native, "variant": variant}
             ok = _same(f.encode_v32_triton(lat32[:n], rope[:n], **kw).cpu(), rows32) and _same(
                 f.encode_v32_triton(lat32[:odd], rope[:odd], **kw).cpu(), rows32_odd)
             bench.check(f"encode_v32 {tag} equals torch", ok, ("encode_v32", variant or "default"))
@@ -242,16 +256,17 @@ def bench_codecs(bench: Bench, min_bytes: int, block_size: int, natives: list[bo
                 for variant, launches in specs if native and encode else [(None, None)]:
                     if launches and (block_t, warps) not in launches:
                         continue
-                    kw = dict(native=native, block_t=block_t, num_warps=warps)
+                    launch_args: _EncodeLaunch = {"native": native, "block_t": block_t, "num_warps": warps}
                     config = f"{path} {shape_of}" if variant is None else (
                         f"{variant} {block_t}x{warps}" if block_t else f"{variant} default")
                     if encode:
-                        kw["variant"] = variant
+                        launch_args["variant"] = variant
+                    call = dict(launch_args)
                     launch = (dict(variant=variant or "default", block_t=block_t, num_warps=warps)
                               if native and encode else {})
                     naive = None if op in first_seen else reference
                     first_seen.add(op)
-                    rows.append(bench.row(op, shape, config, moved, lambda: kernel(kw), naive, **launch))
+                    rows.append(bench.row(op, shape, config, moved, lambda: kernel(call), naive, **launch))
     return rows
 
 
@@ -322,7 +337,7 @@ def _compile_one(job: tuple[str, str | None, int | None, int | None, int]) -> st
     tokens, width = 64, f.V32_NOPE if op == "encode_v32" else f.V4_NOPE
     latent = torch.zeros(tokens, width, dtype=torch.bfloat16, device="cuda")
     rope = torch.zeros(tokens, f.ROPE, dtype=torch.bfloat16, device="cuda")
-    kw = dict(native=True, variant=variant, block_t=block_t, num_warps=warps)
+    kw: _EncodeLaunch = {"native": True, "variant": variant, "block_t": block_t, "num_warps": warps}
     if op == "encode_v32":
         f.encode_v32_triton(latent, rope, **kw)
     else:
@@ -387,8 +402,14 @@ def _set_native_encode(text: str) -> None:
 
 def _pairs(text: str) -> list[tuple[int | None, int | None]]:
     """'AxB,default,...' -> [(A, B), (None, None), ...]; None picks the kernel's own default."""
-    return [(None, None) if item == "default" else tuple(int(v) for v in item.split("x"))
-            for item in text.split(",")]  # type: ignore[misc]
+    pairs: list[tuple[int | None, int | None]] = []
+    for item in text.split(","):
+        if item == "default":
+            pairs.append((None, None))
+        else:
+            first, second = (int(v) for v in item.split("x"))
+            pairs.append((first, second))
+    return pairs
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -135,7 +135,7 @@ def _zmq_sender(port: int, size: int, count: int) -> None:
         sock.connect(f"tcp://127.0.0.1:{port}")
         while sock.recv() == b"go":
             for payload in payloads:
-                sock.send(payload, copy=False)
+                sock.send(payload.data, copy=False)
 
 
 def _socket_sender(port: int, size: int, count: int) -> None:
@@ -144,7 +144,7 @@ def _socket_sender(port: int, size: int, count: int) -> None:
     with socket.create_connection(("127.0.0.1", port)) as sock:
         while sock.recv(1) == b"g":
             for payload in payloads:
-                sock.sendall(payload)
+                sock.sendall(payload.data)
 
 
 @contextmanager
@@ -190,7 +190,7 @@ def socket_ceiling(dst: list[np.ndarray], repeat: int) -> float:
         server.settimeout(30)
         conn, _ = server.accept()
         with conn:
-            views = [memoryview(d).cast("B") for d in dst]
+            views = [d.data.cast("B") for d in dst]
 
             def move() -> None:
                 conn.sendall(b"g")

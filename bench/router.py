@@ -179,21 +179,21 @@ def run(cfg: RouterBenchConfig) -> list[dict[str, Any]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = RouterBenchConfig.__dataclass_fields__
+    d = RouterBenchConfig()  # its defaults
     p = argparse.ArgumentParser(
         prog="pdserve bench router",
         description="The router alone in front of a fast stub upstream, against the stub called directly: "
                     "added TTFT p50/p99 and requests/s per concurrency. Arguments after `--` go to the router.",
         allow_abbrev=False,
     )
-    p.add_argument("--concurrency", type=int, nargs="+", default=list(d["levels"].default))
-    p.add_argument("--requests", type=int, default=d["requests"].default, help="per level and side")
-    p.add_argument("--rounds", type=int, default=d["rounds"].default,
+    p.add_argument("--concurrency", type=int, nargs="+", default=list(d.levels))
+    p.add_argument("--requests", type=int, default=d.requests, help="per level and side")
+    p.add_argument("--rounds", type=int, default=d.rounds,
                    help="direct and router runs alternate this many times per level")
-    p.add_argument("--warmup", type=int, default=d["warmup"].default, help="unmeasured requests to each side first")
-    p.add_argument("--tokens", type=int, default=d["tokens"].default, help="token events per answer")
-    p.add_argument("--prompt-chars", type=int, default=d["prompt_chars"].default)
-    p.add_argument("--route", choices=("completions", "chat"), default=d["route"].default)
+    p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured requests to each side first")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="token events per answer")
+    p.add_argument("--prompt-chars", type=int, default=d.prompt_chars)
+    p.add_argument("--route", choices=("completions", "chat"), default=d.route)
     p.add_argument("--result", type=Path, default=None, help="also write the rows to this JSON file")
     return p
 

@@ -499,7 +499,8 @@ async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: P
         card = await served_model(client, base_url, cfg.api_key)
     model = cfg.model or str(card["id"])
     if prompts is None:
-        name = cfg.tokenizer or (card.get("root") if Path(str(card.get("root"))).is_dir() else model)
+        root = card.get("root")
+        name = cfg.tokenizer or (str(root) if root is not None and Path(str(root)).is_dir() else model)
         prompts = PromptSource(load_tokenizer(name), cfg.input_len, cfg.seed)
     runs = []
     for conc in cfg.max_concurrency if levels is None else levels:

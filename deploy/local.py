@@ -117,6 +117,13 @@ class Component:
     supervised: Supervised | None = None
     up: bool = True  # as of the last health round
 
+    @property
+    def supervisor(self) -> Supervised:
+        """Its Supervised: every component of a LocalStack gets one when the stack is made."""
+        if self.supervised is None:
+            raise RuntimeError(f"{self.name} belongs to no LocalStack")
+        return self.supervised
+
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
@@ -267,7 +274,8 @@ class LocalStack:
         while pending:
             for comp in list(pending):
                 if not comp.alive():
-                    raise StackFailed(f"{comp.name} exited with code {comp.popen.returncode} while starting; "
+                    code = comp.popen.returncode if comp.popen is not None else None
+                    raise StackFailed(f"{comp.name} exited with code {code} while starting; "
                                       f"log {comp.log_path}:\n{comp.log_tail()}")
                 if comp.ready(self._http):
                     comp.ready_after_s = time.monotonic() - started
@@ -299,11 +307,11 @@ class LocalStack:
         try:
             store = [c for c in self.components if c.name in STORES]
             for comp in store:
-                comp.supervised.start()
+                comp.supervisor.start()
             self._wait(store, bar, deadline)
             rest = [c for c in self.components if c.name not in STORES]
             for comp in rest:
-                comp.supervised.start()
+                comp.supervisor.start()
             self._wait(rest, bar, deadline)
         except BaseException:
             bar.close()
@@ -327,7 +335,7 @@ class LocalStack:
         is down for good); everything else keeps serving with what is left.
         """
         for comp in self.components:
-            change = comp.supervised.poll()
+            change = comp.supervisor.poll()
             if change is not None:
                 where = "" if change.kind == "restarted" else f"; log {comp.log_path}:\n{comp.log_tail(10)}"
                 self._note(change.message + where)
@@ -340,7 +348,7 @@ class LocalStack:
                 changed, comp.up = changed or up != comp.up, up
             if changed:
                 self._note(self.status_line())
-        lost = {c.name for c in self.components if c.supervised.gave_up}
+        lost = {c.name for c in self.components if c.supervisor.gave_up}
         decode = {c.name for c in self.components if c.name.startswith("decode-")}
         if "router" in lost or (decode and decode <= lost):
             self._note(f"cannot serve without {', '.join(sorted(lost))}; stopping")
@@ -353,11 +361,11 @@ class LocalStack:
         workers = [c for c in self.components if c.name.startswith(("prefill-", "decode-"))]
         order = [router, workers, [c for c in self.components if c not in router and c not in workers]]
         for group in order:
-            running = [c for c in group if c.popen is not None]
-            for comp in running:
-                signal_group(comp.popen, signal.SIGTERM)
-            for comp in running:
-                comp.supervised.stop(timeout_s=90.0)
+            running = [(c, c.popen) for c in group if c.popen is not None]
+            for _, popen in running:
+                signal_group(popen, signal.SIGTERM)
+            for comp, _ in running:
+                comp.supervisor.stop(timeout_s=90.0)
         self._http.close()
 
     @property
@@ -438,6 +446,7 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
     argv, vllm_args = split_passthrough(argv)
     parser = build_parser()
     a = parser.parse_args(argv)
+    tokenizer: str | None
     if a.model is None:
         model_dir = tiny_model_dir()
         model, served, tokenizer = str(model_dir), a.served_model_name or TINY_SERVED_NAME, str(model_dir)

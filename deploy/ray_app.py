@@ -198,7 +198,7 @@ def teardown(namespace: str, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
 
 
 def _start(spec: ServiceSpec, namespace: str, max_restarts: int, strategy: Any) -> Any:
-    return ServiceActor.options(
+    return ServiceActor.options(  # type: ignore[attr-defined]  # added by @ray.remote; mypy ignores class decorators
         name=spec.name, namespace=namespace, lifetime="detached", max_restarts=max_restarts,
         num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, scheduling_strategy=strategy,
     ).remote(dataclasses.asdict(spec), namespace)

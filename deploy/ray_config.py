@@ -151,7 +151,7 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             return None
         (inner,) = [a for a in get_args(hint) if a is not type(None)]
         return _convert(value, inner, where)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
         return _build(hint, value, where)

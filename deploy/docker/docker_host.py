@@ -212,8 +212,8 @@ class Daemon:
                    if line.split()[1].startswith((str(self.root), str(self.run_dir)))]
         for path in sorted(mounted, reverse=True):
             run(["umount", "-l", path], check=False)
-        for path in (self.root, self.run_dir):
-            shutil.rmtree(path, ignore_errors=True)
+        for folder in (self.root, self.run_dir):
+            shutil.rmtree(folder, ignore_errors=True)
         if self.made_trust_key:
             TRUST_KEY.unlink(missing_ok=True)
             if not any(TRUST_KEY.parent.iterdir()):
@@ -295,6 +295,7 @@ def local_base_image(tag: str, env: dict[str, str]) -> None:
         tar = subprocess.Popen(["tar", "-C", str(rootfs), "--numeric-owner", "-c", "."], stdout=subprocess.PIPE)
         argv = ["docker", "import"] + [a for c in changes for a in ("--change", c)] + ["-", tag]
         imported = subprocess.run(argv, stdin=tar.stdout, capture_output=True, text=True, env=env, timeout=900)
+        assert tar.stdout is not None  # stdout=PIPE
         tar.stdout.close()
         tar.wait()
         if imported.returncode != 0 or tar.returncode != 0:
