@@ -16,9 +16,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, Union
@@ -55,14 +57,16 @@ Ready = Union[str, Callable[["Proc"], bool], None]
 
 _LIVE: list["Proc"] = []
 _LOG_DIR: Path | None = None
+_LOG_DIR_LOCK = threading.Lock()  # start_together starts processes from several threads
 
 
 def log_dir() -> Path:
     """One temp folder a test session for all process logs, kept after exit for post-mortems."""
     global _LOG_DIR
-    if _LOG_DIR is None:
-        _LOG_DIR = Path(tempfile.mkdtemp(prefix="pdserve-test-logs-"))
-    return _LOG_DIR
+    with _LOG_DIR_LOCK:
+        if _LOG_DIR is None:
+            _LOG_DIR = Path(tempfile.mkdtemp(prefix="pdserve-test-logs-"))
+        return _LOG_DIR
 
 
 class ProcessDied(RuntimeError):
@@ -222,6 +226,24 @@ def start_on_port(start: Callable[[int], Proc], port: int | None = None, attempt
     return start(free_port())
 
 
+def start_together(starts: Sequence[Callable[[], Proc]]) -> list[Proc]:
+    """Run independent starts at once and return their processes in order.
+
+    An engine start is mostly one core's work and the machine has two, so two engines
+    started together are ready in about the time of one. If a start fails, the ones that
+    succeeded are stopped and the first failure is raised: nothing is left running.
+    """
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    started = [f.result() for f in futures if f.exception() is None]
+    errors = [e for f in futures if (e := f.exception()) is not None]
+    if errors:
+        for proc in started:
+            proc.stop()
+        raise errors[0]
+    return started
+
+
 def start_redis(port: int | None = None) -> Proc:
     """A throwaway redis-server on a free port: no persistence, ready when it answers PING."""
 
@@ -272,7 +294,7 @@ def start_vllm_server(
             port=port,
             env={**ENGINE_ENV, **(env or {})},
             timeout=timeout,
-            poll_s=1.0,
+            poll_s=0.25,
         )
 
     return start_on_port(start, port)

@@ -6,6 +6,11 @@ decode engine (kv_both), all plain `python -m vllm.entrypoints.openai.api_server
 on the tiny DeepSeek-V3 with random weights, behind `--api-key` so every router
 test also checks that the router passes its key on. Routers are cheap: each test
 starts the one it needs with the flags it tests.
+
+A module that needs an engine of its own on the same store (one it may kill or stop)
+takes it with `Stack.engine(role)` and says so with the `pd_spare(role)` marker: the
+stack then starts that engine together with its own two, while both cores are busy
+anyway, instead of alone when the module begins.
 """
 
 from __future__ import annotations
@@ -16,15 +21,14 @@ import socket
 import time
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import pytest
 
 from kvstore_fixtures import KVStoreProc, start_kvstore
-from procs import Proc, free_port, pdserve_argv, start_process, start_vllm_server
+from procs import Proc, free_port, pdserve_argv, start_process, start_together, start_vllm_server
 
 API_KEY = "sk-router-test"
 
@@ -35,6 +39,13 @@ class Stack:
     kvstore: KVStoreProc
     prefill: Proc
     decode: Proc
+    spares: dict[str, list[Proc]] = field(default_factory=dict)  # role -> engines started for pd_spare modules
+
+    def engine(self, role: str) -> Proc:
+        """An engine of `role` on the stack's store for one module's own use: one the stack started
+        beside its own (pd_spare), or a new one. The module stops it."""
+        left = self.spares.get(role)
+        return left.pop() if left else start_engine(Path(self.model), role, self.kvstore.url)
 
 
 def connector_args(role: str, kvstore_url: str) -> list[str]:
@@ -50,19 +61,30 @@ def start_engine(model_dir: Path, role: str, kvstore_url: str) -> Proc:
     return start_vllm_server(model_dir, extra_args=connector_args(role, kvstore_url))
 
 
+def spare_roles(items: Sequence[pytest.Item]) -> list[str]:
+    """The roles of the pd_spare markers of the modules these tests come from (a module marker)."""
+    modules = {m.nodeid: m for item in items if (m := item.getparent(pytest.Module)) is not None}
+    return [role for module in modules.values() for mark in module.iter_markers("pd_spare") for role in mark.args]
+
+
 @pytest.fixture(scope="session")
-def pd_stack(tiny_deepseek_v3: Path) -> Iterator[Stack]:
+def pd_stack(tiny_deepseek_v3: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
     store = start_kvstore(l1_size_gb=0.5)
-    # Both engines start at once: each start is mostly one core's work, and the machine has two.
-    with ThreadPoolExecutor(2) as pool:
-        starts = [pool.submit(start_engine, tiny_deepseek_v3, role, store.url) for role in ("kv_producer", "kv_both")]
-    engines = [f.result() for f in starts if f.exception() is None]
+    spares = spare_roles(request.session.items)
     try:
-        for f in starts:
-            f.result()  # re-raise a failed start, after the other engine is in `engines` for cleanup
-        yield Stack(str(tiny_deepseek_v3), store, *engines)
+        # All at once: each start is mostly one core's work, and the machine has two.
+        engines = start_together([lambda role=role: start_engine(tiny_deepseek_v3, role, store.url)
+                                  for role in ("kv_producer", "kv_both", *spares)])
+    except BaseException:
+        store.stop()
+        raise
+    stack = Stack(str(tiny_deepseek_v3), store, engines[0], engines[1])
+    for role, proc in zip(spares, engines[2:]):
+        stack.spares.setdefault(role, []).append(proc)
+    try:
+        yield stack
     finally:
-        for proc in reversed(engines):
+        for proc in [p for left in stack.spares.values() for p in left] + [stack.decode, stack.prefill]:
             proc.stop()
         store.stop()
 

@@ -20,7 +20,7 @@ import pytest
 
 from pdserve.kvstore.client.client import KVStoreClient
 from pdserve.kvstore.client.keys import chunk_keys
-from procs import Proc, free_port, pdserve_argv, start_process, start_vllm_server
+from procs import Proc, free_port, pdserve_argv, start_process, start_together, start_vllm_server
 
 pytestmark = pytest.mark.engine  # every test here runs a producer and a consumer engine
 
@@ -54,13 +54,17 @@ class PDPair:
         )
         self.store_http = f"http://127.0.0.1:{http_port}"
         self.procs: list[Proc] = [self.store]
-        self.producer = start_vllm_server(model, extra_args=("--kv-transfer-config", kv_config("kv_producer", self.store_url), *extra))
-        self.procs.append(self.producer)
-        self.consumer = start_vllm_server(
-            model,
-            extra_args=("--kv-transfer-config", kv_config("kv_both", self.store_url), "--enable-prompt-tokens-details", *extra),
-        )
-        self.procs.append(self.consumer)
+        try:
+            self.producer, self.consumer = start_together([  # together: one core each
+                lambda: start_vllm_server(model, extra_args=("--kv-transfer-config", kv_config("kv_producer", self.store_url),
+                                                             *extra)),
+                lambda: start_vllm_server(model, extra_args=("--kv-transfer-config", kv_config("kv_both", self.store_url),
+                                                             "--enable-prompt-tokens-details", *extra)),
+            ])
+        except BaseException:
+            self.store.stop()
+            raise
+        self.procs += [self.producer, self.consumer]
         self.model = httpx.get(f"{self.producer.url}/v1/models").json()["data"][0]["id"]
 
     def complete(self, proc: Proc, prompt: list[int], **extra) -> dict:

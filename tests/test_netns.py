@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import httpx
 import pytest
 
-from procs import ENGINE_ARGS, ENGINE_ENV, ENGINE_START_TIMEOUT_S, Proc, pdserve_argv, start_process
+from procs import ENGINE_ARGS, ENGINE_ENV, ENGINE_START_TIMEOUT_S, Proc, pdserve_argv, start_process, start_together
 from test_connector import prompts
 
 T = TypeVar("T")
@@ -168,8 +168,8 @@ def stack(stores: tuple[Host, Host], tiny_deepseek_v3: Path) -> Iterator[tuple[H
     a, b = stores
     procs: list[Proc] = []
     try:
-        procs.append(start_engine(a, tiny_deepseek_v3, "kv_producer"))
-        procs.append(start_engine(b, tiny_deepseek_v3, "kv_both"))
+        procs = start_together([lambda: start_engine(a, tiny_deepseek_v3, "kv_producer"),  # together: one core each
+                                lambda: start_engine(b, tiny_deepseek_v3, "kv_both")])
         yield a, b
     finally:
         for proc in reversed(procs):

@@ -19,11 +19,11 @@ import pytest
 pytest.register_assert_rewrite("router_fixtures")  # it is imported here before pytest loads it as a plugin
 from procs import free_port
 from router_fixtures import (
-    API_KEY, Stack, chat_messages, long_prompt, metric, pd_router, raw_post, start_engine, start_router, wait_until,
+    API_KEY, Stack, chat_messages, long_prompt, metric, pd_router, raw_post, start_router, wait_until,
 )
 
 pytest_plugins = ("router_fixtures",)
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.pd_spare("kv_both")]  # Victims' engine
 
 LONG_STREAM = {"max_tokens": 3000, "extra_body": {"ignore_eos": True}}
 
@@ -40,7 +40,7 @@ class Victims:
     """A decode engine to kill, and the routers that were started while it was alive."""
 
     def __init__(self, stack: Stack) -> None:
-        self.engine = start_engine(stack.model, "kv_both", stack.kvstore.url)  # type: ignore[arg-type]
+        self.engine = stack.engine("kv_both")
         slow_health = ("--health-interval", "600", "--api-key", API_KEY)
         e, p, d = self.engine.url, stack.prefill.url, stack.decode.url
         self.streaming = start_router("--prefill", p, "--decode", e, d, "--pd-min-prompt-tokens", "0", *slow_health)

@@ -19,10 +19,10 @@ import pytest
 
 pytest.register_assert_rewrite("router_fixtures")
 from procs import Proc
-from router_fixtures import API_KEY, Stack, long_prompt, metric, pd_router, raw_post, start_engine, start_router, wait_until
+from router_fixtures import API_KEY, Stack, long_prompt, metric, pd_router, raw_post, start_router, wait_until
 
 pytest_plugins = ("router_fixtures",)
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.pd_spare("kv_producer")]  # HeldPrefill's engine
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -124,7 +124,7 @@ class HeldPrefill:
     """A prefill engine of this module that can be stopped mid-request, and a router over it."""
 
     def __init__(self, stack: Stack) -> None:
-        self.engine = start_engine(stack.model, "kv_producer", stack.kvstore.url)  # type: ignore[arg-type]
+        self.engine = stack.engine("kv_producer")
         self.router = start_router("--prefill", self.engine.url, "--decode", stack.decode.url,
                                    "--api-key", API_KEY, "--pd-min-prompt-tokens", "0", "--health-interval", "600")
 

@@ -26,7 +26,7 @@ from pdserve.kvstore.client.client import KVStoreClient, KVStoreUnavailable
 from pdserve.kvstore.server.config import KVStoreConfig
 from pdserve.kvstore.connector.worker_side import LOAD_THREADS
 from pdserve.kvstore.client.health import StoreDown, StoreHealth
-from procs import Proc, free_port, pdserve_argv, start_process, start_vllm_server
+from procs import Proc, free_port, pdserve_argv, start_process, start_together, start_vllm_server
 from test_connector import _eventually, _metric, prompts
 
 CHUNK = 256
@@ -86,13 +86,12 @@ class Stack:
         self.store = Store("--tail-ttl-s", "30")
         self.procs: list[Proc] = []
         try:
-            self.producer = start_vllm_server(model, extra_args=("--kv-transfer-config", kv_config("kv_producer", self.store.url)))
-            self.procs.append(self.producer)
-            self.consumer = start_vllm_server(
-                model,
-                extra_args=("--kv-transfer-config", kv_config("kv_both", self.store.url), "--enable-prompt-tokens-details"),
-            )
-            self.procs.append(self.consumer)
+            self.procs = start_together([  # together: one core each
+                lambda: start_vllm_server(model, extra_args=("--kv-transfer-config", kv_config("kv_producer", self.store.url))),
+                lambda: start_vllm_server(model, extra_args=("--kv-transfer-config", kv_config("kv_both", self.store.url),
+                                                             "--enable-prompt-tokens-details")),
+            ])
+            self.producer, self.consumer = self.procs
         except BaseException:
             self.stop()
             raise

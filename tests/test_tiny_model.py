@@ -1,7 +1,7 @@
 """`pdserve model tiny`: configs and tokenizers that vLLM loads and serves, plus the package layout.
 
-The engine tests start real vLLM OpenAI servers (random weights, --load-format dummy)
-one after the other, because two engines at once would fight over the 2 CPU cores.
+The engine tests start real vLLM OpenAI servers (random weights, --load-format dummy),
+one per model, together: a start is mostly one core's work and the machine has two.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import ast
 import importlib.metadata
 import json
 from pathlib import Path
+from typing import Iterator
 
 import jinja2
 import pytest
@@ -18,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from pdserve.deploy import tiny_model
 from pdserve.deploy.cli import main as pdserve_main
-from procs import process_tree_rss_bytes, start_vllm_server
+from procs import Proc, process_tree_rss_bytes, start_together, start_vllm_server
 
 SERVED_ARCHS = ("deepseek_v3", "gemma3")
 
@@ -167,12 +168,28 @@ def test_distribution_puts_only_pdserve_at_top_level() -> None:
     assert {name.split(".")[0] for name in mapping} == {"pdserve"}
 
 
+@pytest.fixture(scope="module")
+def servers(request: pytest.FixtureRequest) -> Iterator[dict[str, Proc]]:
+    """A vLLM server for each model the session's test_vllm_serves_tiny_model items serve, started
+    together; each test stops its own."""
+    archs = [a for a in SERVED_ARCHS if any(getattr(item, "originalname", "") == "test_vllm_serves_tiny_model"
+                                            and item.callspec.params["arch"] == a for item in request.session.items)]
+    dirs = [request.getfixturevalue(f"tiny_{arch}") for arch in archs]
+    procs = start_together([lambda d=d: start_vllm_server(d) for d in dirs])
+    try:
+        yield dict(zip(archs, procs))
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("arch", SERVED_ARCHS)
-def test_vllm_serves_tiny_model(arch: str, request: pytest.FixtureRequest, record_property) -> None:
+def test_vllm_serves_tiny_model(arch: str, servers: dict[str, Proc], request: pytest.FixtureRequest,
+                                record_property) -> None:
     model_dir: Path = request.getfixturevalue(f"tiny_{arch}")
     _, tok = load(model_dir)
-    with start_vllm_server(model_dir) as server:
+    with servers[arch] as server:
         record_property("engine_start_s", round(server.ready_after_s or 0.0, 1))
         record_property("engine_rss_gib", round(process_tree_rss_bytes(server.pid) / 2**30, 2))
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)

@@ -122,7 +122,7 @@ def worker(tiny_one_group: Path, redis_url: str):
             "--", "--load-format", "dummy", *ENGINE_ARGS,
         ),
         lambda _p: client.exists(worker_key(worker_id)) == 1,
-        name="pdserve-decode", port=port, env=ENGINE_ENV, timeout=ENGINE_START_TIMEOUT_S, poll_s=1.0,
+        name="pdserve-decode", port=port, env=ENGINE_ENV, timeout=ENGINE_START_TIMEOUT_S, poll_s=0.25,
     )
     try:
         yield Worker(proc, worker_id, str(tiny_one_group), client)
