@@ -15,9 +15,14 @@ from typing import Iterator
 
 import pytest
 
+import compose_fixtures
 from pdserve.deploy.cli import main as pdserve_main
 from procs import redis_url as _redis_url
 from procs import start_redis
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(compose_fixtures, "compose_fixtures")
 
 
 _VLLM_AT_COLLECTION = pytest.StashKey[list[str]]()

@@ -244,6 +244,39 @@ def start_together(starts: Sequence[Callable[[], Proc]]) -> list[Proc]:
     return started
 
 
+class BackgroundRun:
+    """A command that runs to its end beside other work, for a later test to read its outcome.
+
+    For a test whose subject is a whole start-up (an engine that must refuse to start, ~50 s
+    of one core): begun by a fixture while the module's other engine runs, so the two use
+    both cores. Output goes to files (a pipe nobody reads would stall the child).
+    """
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], timeout: float) -> None:
+        self.timeout = timeout
+        self._out = tempfile.TemporaryFile(mode="w+", dir=log_dir())
+        self._err = tempfile.TemporaryFile(mode="w+", dir=log_dir())
+        self.popen = subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=self._out,
+                                      stderr=self._err, text=True, env=dict(env), start_new_session=True)
+        self._started = time.monotonic()
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        """Wait for the end (raises TimeoutExpired after `timeout` from the start) and return its output."""
+        self.popen.wait(max(0.0, self.timeout - (time.monotonic() - self._started)))
+        outputs = []
+        for f in (self._out, self._err):
+            f.seek(0)
+            outputs.append(f.read())
+        return subprocess.CompletedProcess(self.popen.args, self.popen.returncode, *outputs)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+        self._out.close()
+        self._err.close()
+
+
 def start_redis(port: int | None = None) -> Proc:
     """A throwaway redis-server on a free port: no persistence, ready when it answers PING."""
 

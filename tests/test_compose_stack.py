@@ -6,22 +6,22 @@ reach), brings the stack up with two decode replicas, sends chat and completion 
 through the router, checks in the router's and the store's metrics that a long prompt
 went prefill -> store -> decode, stops one decode container and checks the stack still
 answers; then it takes everything down and puts the host back as it found it. This test
-runs it as a user would and asserts every one of its checks, including the cleanup's.
+runs it as a user would and asserts every one of its checks, including the cleanup's. The
+script starts with the session (tests/compose_fixtures.py), so its install and build overlap
+the other tests; the stack itself starts when this test, the session's last, releases it.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "deploy/docker/compose_test.py"
+from compose_fixtures import ROOT, SCRIPT, ComposeRun
+
 # Measured here from a machine without Docker: 9-20 minutes, as the engines compete for 2 cores.
 LIMIT_S = 3600
 STACK_CHECKS = (
@@ -41,20 +41,17 @@ STACK_CHECKS = (
 @pytest.mark.engine  # three vLLM engines, in containers
 @pytest.mark.compose
 @pytest.mark.timeout(LIMIT_S + 600)
-def test_compose_cpu_stack_builds_serves_p_d_and_survives_a_decode_loss(tmp_path: Path) -> None:
-    report_path, log_path = tmp_path / "report.json", tmp_path / "compose-test.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), "--report", str(report_path)], cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=LIMIT_S)
-        finally:
-            if proc.poll() is None:  # SIGTERM: the script still takes its stack and daemon down
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=600)
-    tail = log_path.read_text(errors="replace")[-6000:]
-    assert report_path.exists(), tail
-    report = json.loads(report_path.read_text())
+def test_compose_cpu_stack_builds_serves_p_d_and_survives_a_decode_loss(compose_run: ComposeRun) -> None:
+    """The script has been installing and building since the session began (compose_fixtures); it
+    starts the stack now, the last test, and the checks are its report's."""
+    compose_run.release()
+    try:
+        compose_run.proc.wait(timeout=LIMIT_S)
+    finally:
+        compose_run.stop()  # SIGTERM if it still runs: the script still takes its stack and daemon down
+    tail = compose_run.log_path.read_text(errors="replace")[-6000:]
+    assert compose_run.report_path.exists(), tail
+    report = json.loads(compose_run.report_path.read_text())
     assert report["error"] is None, report["error"] + "\n" + tail
     checks = report["checks"]
     expected = list(STACK_CHECKS)
@@ -62,7 +59,7 @@ def test_compose_cpu_stack_builds_serves_p_d_and_survives_a_decode_loss(tmp_path
         expected.append("daemon stopped, networking as found")
     failed = {name: checks.get(name, "missing") for name in expected if not checks.get(name, {}).get("ok")}
     assert not failed, json.dumps(failed, indent=2) + "\n" + tail
-    assert report["ok"] and proc.returncode == 0, tail
+    assert report["ok"] and compose_run.proc.returncode == 0, tail
     print(json.dumps(report["phases"]))  # the phases' seconds, shown with -s
 
 
@@ -97,8 +94,9 @@ assert host.rules(daemon_made.iptables["iptables"]) != host.rules(before.iptable
 assert after == {{"filter": ["-A INPUT -p tcp -m tcp --dport 22 -j ACCEPT"]}}, after
 print("undone")
 """
-    if not shutil.which("iptables"):  # Docker's dependency; the stack test above installs it
-        subprocess.run(["apt-get", "install", "-y", "-q", "iptables"], check=True, capture_output=True, timeout=900)
+    if not shutil.which("iptables"):  # Docker's dependency; the stack test's script may be installing it now
+        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "-q", "iptables"], check=True,
+                       capture_output=True, timeout=1200)
     out = subprocess.run(["unshare", "--net", sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "undone" in out.stdout, out.stdout + out.stderr

@@ -1,4 +1,9 @@
-"""PDServeConnector through vLLM's offline LLM API, and its start-up check on a real engine."""
+"""PDServeConnector through vLLM's offline LLM API, and its start-up check on a real engine.
+
+Each test runs one engine in a child process; the refusing engine's start begins with the
+module (see `refusal`), so the two engines share the machine's two cores instead of taking
+turns.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,11 @@ import sys
 import textwrap
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from procs import ENGINE_ENV, free_port, pdserve_argv, start_process
+from procs import ENGINE_ENV, BackgroundRun, free_port, pdserve_argv, start_process
 
 pytestmark = pytest.mark.engine  # both tests start a vLLM engine
 
@@ -94,16 +100,35 @@ def test_offline_llm_reuses_prefix_from_the_store(tiny_one_group: Path, tmp_path
         store.stop()
 
 
-def test_engine_refuses_to_start_without_its_store(tiny_one_group: Path) -> None:
+REFUSAL_TEST = "test_engine_refuses_to_start_without_its_store"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def refusal(request: pytest.FixtureRequest, tiny_one_group: Path) -> Iterator[tuple[str, BackgroundRun] | None]:
+    """(dead store URL, the engine started against it) when the refusal test is selected: begun with the
+    module, so it runs beside the offline test's engine."""
+    if not any(getattr(item, "originalname", "") == REFUSAL_TEST for item in request.session.items):
+        yield None
+        return
     dead = f"tcp://127.0.0.1:{free_port()}"
     config = {"kv_connector": "PDServeConnector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"kvstore_url": dead, "timeout_s": 2}}
-    run = subprocess.run(
+    run = BackgroundRun(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_one_group),
          "--load-format", "dummy", "--port", str(free_port()), "--max-model-len", "2048",
          "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager", "--kv-transfer-config", json.dumps(config)],
-        capture_output=True, text=True, timeout=600, env=_env(),
+        env=_env(), timeout=600,
     )
+    try:
+        yield dead, run
+    finally:
+        run.stop()
+
+
+def test_engine_refuses_to_start_without_its_store(refusal: tuple[str, BackgroundRun] | None) -> None:
+    assert refusal is not None
+    dead, started = refusal
+    run = started.result()
     assert run.returncode != 0
     output = run.stdout + run.stderr
     assert f"cannot reach the KV store at {dead}" in output

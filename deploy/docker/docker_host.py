@@ -51,10 +51,14 @@ def run(argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: floa
     return out
 
 
+# Wait for another apt on this host (a test installing iptables meanwhile) rather than fail on its lock.
+APT_WAIT = ("-o", "DPkg::Lock::Timeout=900")
+
+
 def apt_install(*packages: str) -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    run(["apt-get", "update", "-q"], env=env, timeout=900)
-    run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages], env=env, timeout=1800)
+    run(["apt-get", *APT_WAIT, "update", "-q"], env=env, timeout=900)
+    run(["apt-get", *APT_WAIT, "install", "-y", "-q", "--no-install-recommends", *packages], env=env, timeout=1800)
 
 
 def dockerd_binary() -> str | None:
