@@ -4,6 +4,8 @@ Loaded with `pytest_plugins = ["pdstack_fixtures"]` so both test modules get the
 session-scoped stack: two engines start once, not twice. The stack runs exactly as a
 user starts it (a subprocess on free ports); `UpStack.interrupt()` is the Ctrl-C a
 user would press, and test_up's last test calls it to check that nothing survives.
+The tests that use the stack run one after the other (see the collection hook), so its
+engines are gone once the last of them has run, not held idle through the session.
 """
 
 from __future__ import annotations
@@ -123,6 +125,16 @@ def running_up(argv: list[str], port: int, decode_port: int, folder: Path, timeo
     finally:
         if stack.popen.poll() is None:
             stack.kill()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The up_stack tests together, where the first of them was, in their own order."""
+    users = [item for item in items if "up_stack" in getattr(item, "fixturenames", ())]
+    if users:
+        first = items.index(users[0])
+        using = set(users)
+        rest = [item for item in items if item not in using]
+        items[:] = rest[:first] + users + rest[first:]
 
 
 @pytest.fixture(scope="session")
