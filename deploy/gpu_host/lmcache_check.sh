@@ -28,7 +28,8 @@ LOG="$OUT/lmcache_check.log"
 exec > >(tee -a "$LOG") 2>&1
 
 SITE="${SITE:-/tmp/site}"
-WHEELS="${LMCACHE_WHEELS:-.lmcache-gpu}"
+WHEELS="$(cd "${LMCACHE_WHEELS:-.lmcache-gpu}" 2>/dev/null && pwd || echo "${LMCACHE_WHEELS:-.lmcache-gpu}")"
+cd /tmp || exit 1  # in the checkout's root, its pdserve/ folder would shadow the installed package
 CHUNK="${CHUNK_SIZE:-1024}"         # the seeds' chunk size; a multiple of every KV block size here
 PROMPT_TOKENS="${PROMPT_TOKENS:-1500}"
 LM_PORT=5556 LM_HTTP=18556 ENGINE_PORT=8300
@@ -105,12 +106,12 @@ fi
 step "3b. LMCache $($PY -c 'import importlib.metadata as m; print(m.version("lmcache"))'): its CUDA extension"
 timeout 120 $PY -c "
 import importlib, lmcache
-for name in ('lmcache.cuda_ops', 'lmcache.c_ops'):
+for name in ('lmcache.c_ops', 'lmcache.cuda_ops'):  # 0.5.3's extension; 0.5.4+ (cuda_ops is a shim in 0.5.3)
     try:
         ops = importlib.import_module(name)
     except ModuleNotFoundError:
         continue
-    print(name, 'loads:', ops.__file__)
+    print(name, 'loads:', getattr(ops, '__file__', type(ops).__name__))
     break
 else:
     raise SystemExit('no CUDA extension module found in lmcache ' + lmcache.__version__)

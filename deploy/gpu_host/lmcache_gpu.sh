@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The LMCache backend on the GPU host: its P/D tests and the side-by-side benchmark, unattended.
 #
-# Run from the checkout's root on the host, after GPU vLLM is installed in /tmp/site and
+# Run on the host (from anywhere: host_env.sh moves to /tmp), after GPU vLLM is installed in /tmp/site and
 # deploy/gpu_host/lmcache_check.sh passed there (same warm host: its wheels are in /tmp/site),
 # with .lmcache-gpu/ carried beside the checkout (the install step merges it again if needed):
 #
@@ -21,37 +21,21 @@
 #   bench-tail the LMCache stack alone at 2048 tokens (chunk-aligned, nothing to recompute): bench-2k's
 #              LMCache handoff minus this one's is what the partial last chunk costs on LMCache
 set -uo pipefail
-
-OUT="${OUT:-/tmp/pdserve-lmcache-gpu}"
-mkdir -p "$OUT"
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-WHEELS="${LMCACHE_WHEELS:-$REPO/.lmcache-gpu}"
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
-    LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
-export PATH="/tmp/site/bin:$PATH"
-
-step() {
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name start $(date +%T)"
-    timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "== $name rc=$rc end $(date +%T)"
-    tail -n "${TAIL:-40}" "$OUT/$name.log"
-    return $rc
-}
+# shellcheck source=deploy/gpu_host/host_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/host_env.sh"
+export WHEELS="${LMCACHE_WHEELS:-$REPO/.lmcache-gpu}" LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1
 
 install() {
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site "$REPO" || return 1
+    install_pdserve || return 1
     if ! python3 -c "import lmcache" 2>/dev/null; then  # a fresh host: merge (see lmcache_check.sh)
         rm -rf /tmp/lmcache-stage
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/lmcache-stage "$WHEELS"/*.whl \
             && cp -a /tmp/lmcache-stage/. /tmp/site/ && rm -rf /tmp/lmcache-stage || return 1
     fi
-    for a in deepseek_v3 deepseek_v32; do pdserve model tiny --arch $a --out /tmp/tiny-$a || return 1; done
     python3 -c "import lmcache, vllm, pdserve.router.lmcache_view; print('lmcache', lmcache.__version__, 'vllm', vllm.__version__)"
     command -v redis-server || echo "no redis-server: the tests run the workers with static URLs"
 }
+export -f install
 
 bench() {  # LENGTH BACKEND...
     local len=$1
@@ -62,11 +46,12 @@ bench() {  # LENGTH BACKEND...
         --load-format dummy --max-model-len 8192 --max-num-seqs 16 --enforce-eager \
         --kv-cache-memory-bytes 4294967296 --gpu-memory-utilization 0.15
 }
+export -f bench
 
 run_step() {
     case "$1" in
-    install) step install 60 install ;;
-    tests) step tests 220 bash -c "cd /tmp && python3 -m pytest -q -x -p no:cacheprovider '$REPO/tests/test_lmcache_pd.py'" ;;
+    install) step install 120 install ;;
+    tests) step tests 220 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_lmcache_pd.py" ;;
     bench-2k) step bench-2k 270 bench 2047 pdserve lmcache ;;
     bench-tail) step bench-tail 200 bench 2048 lmcache ;;
     *) echo "unknown step $1" >&2; return 2 ;;
