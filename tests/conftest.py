@@ -34,6 +34,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                                                        if m in sys.modules)
 
 
+# Markers of the tests `make test-fast` leaves out (pyproject lists them).
+NOT_FAST = ("engine", "gpu", "ray", "compose", "slow")
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_import_no_vllm(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test outside those markers that imports vLLM fails: `make test-fast` would pay 10-30 s for it.
+    (Seen once vLLM is not imported yet, which in `make test-fast` is always.)"""
+    before = "vllm" in sys.modules
+    yield
+    if not before and "vllm" in sys.modules and not any(request.node.get_closest_marker(m) for m in NOT_FAST):
+        pytest.fail(f"{request.node.nodeid} imported vLLM: mark it slow, or keep vLLM out of what it imports")
+
+
 @pytest.fixture(scope="session")
 def vllm_imported_by_collection(request: pytest.FixtureRequest) -> list[str]:
     """Modules of vLLM that were imported by collecting the tests: `make test-fast` deselects every

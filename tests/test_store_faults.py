@@ -274,6 +274,7 @@ async def test_router_prefix_view_asks_only_the_store_the_params_name() -> None:
         store.proc.stop()
 
 
+@pytest.mark.slow  # the scheduler side imports vLLM
 def test_producer_store_is_chosen_by_id_not_url_string() -> None:
     """Every Ray node's store is tcp://127.0.0.1:5556: params naming that URL under another
     store's id are not ours, and a load there does not wait for an upload that will never come."""
