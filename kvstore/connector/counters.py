@@ -13,6 +13,8 @@ COUNTERS: dict[str, str] = {
     "failed_loads": "KV loads that failed (missing, corrupt or store unreachable); vLLM recomputed them",
     "loaded_bytes": "KV bytes loaded from the pdserve store",
     "saved_bytes": "KV bytes saved to the pdserve store",
+    "saves_retried": "P/D handoff saves that failed and were uploaded again once the store answered",
+    "saves_lost": "P/D handoff saves that could not be uploaded in time (their decode recomputes)",
     "store_timeouts": "KV loads that got no answer from their store within the deadline (it was marked down)",
     "loads_store_down": "KV loads failed at once because their store was marked down (vLLM recomputed them)",
     "load_seconds": "seconds from a load's start (start_load_kv) until vLLM is told it finished, summed over loads",

@@ -70,6 +70,7 @@ class TransferJob:
     wait_s: float = 0.0  # loads: how long to wait for objects a producer promised
     store_url: str | None = None  # loads: the producer's store when it is not our own
     store_id: str | None = None  # loads: the id the producer's store announced (checked before waiting on it)
+    handoff: bool = False  # saves: a P/D decode may be waiting for these objects (retried if the store blinks)
 
 
 def plan_objects(

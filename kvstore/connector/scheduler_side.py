@@ -266,7 +266,7 @@ class SchedulerSide:
         state.chunks_saved = max(done, first)
         if needs_tail:
             state.tail_saved, state.tail_id = True, tail_id
-        return TransferJob(req_id, objects, tail_id)
+        return TransferJob(req_id, objects, tail_id, handoff=state.remote_decode)
 
     def build_meta(self, scheduler_output: Any) -> StepMeta:
         meta = StepMeta(loads=self.pending_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)

@@ -20,6 +20,7 @@ import queue
 import threading
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,19 @@ IDLE_WAIT_S = 0.01
 NULL_BLOCK = 0
 # Loads in progress at once (each thread has its own clients).
 LOAD_THREADS = 4
+# How long a failed P/D handoff save is kept for another upload once its store answers again
+# (the decode side's default wait for a producer's upload, handoff_wait_s), and how often the
+# save thread looks whether the store is back meanwhile.
+SAVE_RETRY_S = 10.0
+RETRY_POLL_S = 0.1
+
+
+@dataclass
+class _PendingSave:
+    job: TransferJob
+    buffers: list[torch.Tensor]
+    deadline: float  # monotonic time after which a failed handoff save is given up
+    retried: bool = False
 
 
 def _log_failure(exc: Exception, what: str) -> None:
@@ -133,29 +147,57 @@ class WorkerIO:
         self._saves.put((job, buffers))
 
     def _save_loop(self) -> None:
+        """Upload saves in order. A P/D handoff's save that fails while the store blinks (its decode
+        worker may be waiting for exactly these objects: an overlapped decode leg waits for as long
+        as a prefill may take) is kept and uploaded again as soon as the store answers, for up to
+        SAVE_RETRY_S; other failed saves only cost a later recompute and are dropped."""
         client: KVStoreClient | None = None
         health = health_of(self.client_args)
-        while (item := self._saves.get()) is not None:
-            job, buffers = item
+        waiting: deque[_PendingSave] = deque()  # handoff saves that failed, oldest first
+        while True:
+            todo: list[_PendingSave] = []
             try:
-                with health.guard():
-                    client = client or self._client()
-                    chunks = [(o.group, o.key, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is not None]
-                    if chunks:
-                        stored = client.put(self.namespace, chunks)
-                        if not all(stored):
-                            log.warning("store refused %d of %d chunks of %s", stored.count(False), len(stored), job.req_id)
-                    tail = [(o.group, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is None]
-                    if tail and job.tail_id:
-                        client.put_tail(self.namespace, job.tail_id, tail)
-                self.stats.add(saved_bytes=sum(b.numel() for b in buffers))
-            except StoreDown as exc:  # already logged once when it went down
-                log.debug("save of %s dropped: %s", job.req_id, exc)
-            except Exception as exc:  # a lost save costs a later recompute; a dead save thread would cost every save
-                _log_failure(exc, f"save of {job.req_id} failed")
-                if client is not None:
-                    client.close()
-                client = None
+                item = self._saves.get(timeout=RETRY_POLL_S if waiting else None)
+                if item is None:
+                    return
+                todo.append(_PendingSave(*item, deadline=time.monotonic() + SAVE_RETRY_S))
+            except queue.Empty:  # nothing new: see whether the store is back for the waiting ones
+                pass
+            while waiting and waiting[0].deadline <= time.monotonic():
+                self._lost(waiting.popleft())
+            if waiting and health.up:
+                todo[:0], waiting = list(waiting), deque()
+            for save in todo:
+                try:
+                    with health.guard():
+                        client = client or self._client()
+                        self._upload(client, save.job, save.buffers)
+                    self.stats.add(saved_bytes=sum(b.numel() for b in save.buffers), saves_retried=int(save.retried))
+                except Exception as exc:  # a dead save thread would cost every save
+                    if not isinstance(exc, StoreDown):  # (a store marked down was logged once when it went down)
+                        _log_failure(exc, f"save of {save.job.req_id} failed")
+                        if client is not None:
+                            client.close()
+                        client = None
+                    if save.job.handoff and isinstance(exc, KVStoreUnavailable) and time.monotonic() < save.deadline:
+                        save.retried = True
+                        waiting.append(save)
+                    elif save.job.handoff:
+                        self._lost(save)
+
+    def _lost(self, save: "_PendingSave") -> None:
+        log.warning("handoff save of %s lost: its decode recomputes", save.job.req_id)
+        self.stats.add(saves_lost=1)
+
+    def _upload(self, client: KVStoreClient, job: TransferJob, buffers: list[torch.Tensor]) -> None:
+        chunks = [(o.group, o.key, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is not None]
+        if chunks:
+            stored = client.put(self.namespace, chunks)
+            if not all(stored):
+                log.warning("store refused %d of %d chunks of %s", stored.count(False), len(stored), job.req_id)
+        tail = [(o.group, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is None]
+        if tail and job.tail_id:
+            client.put_tail(self.namespace, job.tail_id, tail)
 
     # loads ----------------------------------------------------------------
     def load(self, job: TransferJob) -> None:
