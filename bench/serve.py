@@ -50,6 +50,10 @@ SLO_METRICS = ("ttft", "tpot", "e2el")
 KV_BACKENDS = ("pdserve", "lmcache")
 # The run label of each backend's P/D stack (pdserve's keeps the label it always had).
 PD_LABELS = {"pdserve": "pd", "lmcache": "pd-lmcache"}
+# --compare's engine floors: a short prompt's TTFT straight at the P/D decode engine and at the colocated one.
+FLOOR_LABELS = {"pd": "pd-decode-floor", "colocated": "colocated-floor"}
+FLOOR_PROMPT_TOKENS = 16
+FLOOR_PROMPTS = 10
 
 
 @dataclass(frozen=True)
@@ -220,21 +224,43 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, base_url: st
 
 
 _ROUTER_SERIES = {"handoff": "pdserve_router_handoff_seconds", "router_overhead": "pdserve_router_overhead_seconds"}
+_PHASE_SERIES = "pdserve_router_phase_seconds"
+# The phases of a P/D request's way to its first token as the router times them (router/flow/decode_leg.py:
+# pd_phases), in the order they happen; together they are the router's TTFT of the request.
+PHASES = {"before_first_call": "router before the first call", "prefill_leg": "prefill leg",
+          "between_legs": "between the legs", "decode_first_token": "decode leg to first token",
+          "relay": "relaying the first token"}
+
+
+def router_sums(text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the router's handoff and overhead histograms and of each phase (`phase_<name>`) in a
+    /metrics page; empty when the page is no pdserve router's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {f"{name}_{part}": (key, i) for key, name in _ROUTER_SERIES.items()
+              for i, part in enumerate(("sum", "count"))}
+    sums: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in wanted:
+                key, i = wanted[sample.name]
+            elif sample.name in (f"{_PHASE_SERIES}_sum", f"{_PHASE_SERIES}_count"):
+                key, i = f"phase_{sample.labels.get('phase', '')}", int(sample.name.endswith("_count"))
+            else:
+                continue
+            sums.setdefault(key, [0.0, 0.0])[i] += sample.value
+    return {key: (total, count) for key, (total, count) in sums.items()}
 
 
 async def router_totals(client: httpx.AsyncClient, base_url: str) -> dict[str, tuple[float, float]] | None:
-    """(sum, count) of the router's own handoff and overhead histograms; None when base_url is no pdserve router."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """`router_sums` of base_url's /metrics now; None when base_url is no pdserve router."""
     try:
         resp = await client.get(f"{base_url}/metrics")
     except httpx.HTTPError:
         return None
     if resp.status_code != 200 or "pdserve_router_" not in resp.text:
         return None
-    samples = {s.name: s.value for fam in text_string_to_metric_families(resp.text) for s in fam.samples}
-    return {key: (samples.get(f"{name}_sum", 0.0), samples.get(f"{name}_count", 0.0))
-            for key, name in _ROUTER_SERIES.items()}
+    return router_sums(resp.text)
 
 
 def router_paths(base_url: str) -> dict[str, float]:
@@ -248,14 +274,15 @@ def router_paths(base_url: str) -> dict[str, float]:
 
 def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
     """Mean ms per request over a run, from the router's histograms: the handoff measured where it
-    happens (prefill response to first decode token), free of the prefill-time noise in a TTFT difference."""
+    happens (prefill response to first decode token), free of the prefill-time noise in a TTFT
+    difference, the router's own time, and each phase of the P/D requests (`phase_<name>_mean_ms`)."""
     if before is None or after is None:
         return {}
     out = {}
-    for key in _ROUTER_SERIES:
-        total, count = (a - b for a, b in zip(after[key], before[key]))
-        if count > 0:
-            out[f"{key}_mean_ms"] = 1000.0 * total / count
+    for key, (total_after, count_after) in after.items():
+        total_before, count_before = before.get(key, (0.0, 0.0))
+        if count_after - count_before > 0:
+            out[f"{key}_mean_ms"] = 1000.0 * (total_after - total_before) / (count_after - count_before)
     return out
 
 
@@ -350,19 +377,35 @@ class Run:
     results: list[RequestResult] = field(repr=False, default_factory=list)
 
 
+def _stat(m: dict[str, Any] | None, key: str, stat: str) -> float:
+    return float((m or {}).get(key, {}).get(stat, math.nan))
+
+
+def phase_means(m: dict[str, Any] | None) -> dict[str, float]:
+    """Mean ms of each router phase over a P/D run (NaN where the router timed none), and the overlapped
+    decode legs' wait for their prefill."""
+    router = (m or {}).get("router", {})
+    return {name: float(router.get(f"phase_{name}_mean_ms", math.nan)) for name in (*PHASES, "overlap_wait")}
+
+
 def comparison(runs: list[Run]) -> list[dict[str, Any]]:
-    """Per concurrency: P/D vs colocated TTFT (handoff overhead) and router vs direct (router overhead)."""
+    """Per concurrency: P/D vs colocated TTFT (handoff overhead) and router vs direct (router overhead),
+    the handoff against the decode engine's floor, the P/D TPOT against an engine without a connector,
+    and where P/D TTFT goes by the router's phases beside the colocated figures they compare to."""
     by = {(r.label, r.max_concurrency): r.metrics for r in runs}
+    floors = {r.label: r.metrics for r in runs if r.label in FLOOR_LABELS.values()}
+    pd_floor, coloc_floor = floors.get(FLOOR_LABELS["pd"]), floors.get(FLOOR_LABELS["colocated"])
     rows = []
     for conc in sorted({r.max_concurrency for r in runs}, key=lambda c: math.inf if c is None else c):
         pd, coloc, direct = (by.get((name, conc)) for name in ("pd", "colocated-router", "colocated-direct"))
         if not (coloc and direct):
             continue
         coloc_ttft, direct_ttft = (m["ttft_ms"]["p50"] for m in (coloc, direct))
-        if not pd:  # --kv-backend without pdserve: its columns stay empty
-            pd = {"ttft_ms": {"p50": math.nan}, "tpot_ms": {"p50": math.nan}}
-        pd_ttft = pd["ttft_ms"]["p50"]
+        pd = pd or {}  # --kv-backend without pdserve: its columns stay empty
+        pd_ttft = _stat(pd, "ttft_ms", "p50")
         seq = by.get(("pd-sequential", conc))
+        floor_p50 = _stat(pd_floor, "ttft_ms", "p50")
+        coloc_tpot = coloc["tpot_ms"]["p50"]
         rows.append({
             "max_concurrency": conc,
             "pd_ttft_p50_ms": pd_ttft,
@@ -371,15 +414,25 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "handoff_overhead_p50_ms": pd_ttft - coloc_ttft,
             "handoff_ttft_ratio": pd_ttft / coloc_ttft if coloc_ttft else math.nan,
             "router_overhead_p50_ms": coloc_ttft - direct_ttft,
-            "pd_tpot_p50_ms": pd["tpot_ms"]["p50"],
-            "colocated_tpot_p50_ms": coloc["tpot_ms"]["p50"],
+            "pd_tpot_p50_ms": _stat(pd, "tpot_ms", "p50"),
+            "colocated_tpot_p50_ms": coloc_tpot,
+            "tpot_connector_ratio": _stat(pd, "tpot_ms", "p50") / coloc_tpot if coloc_tpot else math.nan,
+            "pd_floor_ttft_p50_ms": floor_p50,
+            "pd_floor_ttft_mean_ms": _stat(pd_floor, "ttft_ms", "mean"),
+            "colocated_floor_ttft_p50_ms": _stat(coloc_floor, "ttft_ms", "p50"),
+            "handoff_over_floor_ms": pd_ttft - coloc_ttft - floor_p50,
             "router_handoff_mean_ms": pd.get("router", {}).get("handoff_mean_ms", math.nan),
             "router_own_mean_ms": coloc.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "router_own_pd_mean_ms": pd.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "decode_loads": pd.get("decode_loads", {}),
-            "sequential_handoff_p50_ms": seq["ttft_ms"]["p50"] - coloc_ttft if seq else math.nan,
+            "sequential_handoff_p50_ms": _stat(seq, "ttft_ms", "p50") - coloc_ttft,
+            "sequential_handoff_over_floor_ms": _stat(seq, "ttft_ms", "p50") - coloc_ttft - floor_p50,
+            "sequential_tpot_p50_ms": _stat(seq, "tpot_ms", "p50"),
             "sequential_router_handoff_mean_ms": (seq or {}).get("router", {}).get("handoff_mean_ms", math.nan),
             "sequential_decode_loads": (seq or {}).get("decode_loads", {}),
+            "ttft_mean_ms": {"pd": _stat(pd, "ttft_ms", "mean"), "sequential": _stat(seq, "ttft_ms", "mean"),
+                             "colocated": coloc["ttft_ms"]["mean"], "direct": direct["ttft_ms"]["mean"]},
+            "phases": {"overlap": phase_means(pd), "sequential": phase_means(seq)},
             "backends": backend_rows(by, conc, coloc_ttft),
         })
     return rows
@@ -461,6 +514,8 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
             print(f"  legs in sequence (--no-pd-overlap): handoff overhead {row['sequential_handoff_p50_ms']:.1f} ms, "
                   f"router-measured handoff {row['sequential_router_handoff_mean_ms']:.1f} ms; KV loads: "
                   f"{describe_load_phases(row['sequential_decode_loads'])}")
+        for line in floor_and_phase_lines(row):
+            print(line)
     backends = [(row["max_concurrency"], name, b) for row in rows for name, b in row["backends"].items()]
     if len({name for _, name, _ in backends}) > 1:
         print(f"\n{'KV backend':<12}{'conc':>6}{'TTFT p50':>10}{'p99':>9}{'handoff p50':>13}"
@@ -469,6 +524,41 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
             print(f"{name:<12}{conc or 'inf':>6}{b['ttft_p50_ms']:>10.1f}{b['ttft_p99_ms']:>9.1f}"
                   f"{b['handoff_overhead_p50_ms']:>13.1f}{b['router_handoff_mean_ms']:>16.1f}"
                   f"{b['tpot_p50_ms']:>10.2f}{b['itl_p99_ms']:>9.2f}")
+
+
+def floor_and_phase_lines(row: dict[str, Any]) -> list[str]:
+    """The rows that give a comparison's handoff a yardstick and an owner for each millisecond: the
+    engines' floors, the handoff over the decode engine's floor, the connector's cost to TPOT, and the
+    router's phases of P/D TTFT (overlapped, in sequence) beside what a colocated request spends on each."""
+    conc = row["max_concurrency"]
+    lines = [
+        f"  floor (TTFT p50 of a {FLOOR_PROMPT_TOKENS}-token prompt straight at the engine, c=1): "
+        f"P/D decode engine {row['pd_floor_ttft_p50_ms']:.1f} ms, colocated engine "
+        f"{row['colocated_floor_ttft_p50_ms']:.1f} ms; handoff p50 minus the decode engine's floor: "
+        f"{row['handoff_over_floor_ms']:.1f} ms overlapped, {row['sequential_handoff_over_floor_ms']:.1f} ms in sequence",
+        f"  connector's cost to decode: TPOT p50 {row['pd_tpot_p50_ms']:.2f} ms P/D "
+        f"({row['sequential_tpot_p50_ms']:.2f} in sequence) vs {row['colocated_tpot_p50_ms']:.2f} ms on the "
+        f"colocated engine, which runs without a connector: x{row['tpot_connector_ratio']:.3f}"
+        + ("" if conc == 1 else " (above c=1 the colocated TPOT also carries other requests' prefills)"),
+    ]
+    ov, seq, ttft = row["phases"]["overlap"], row["phases"]["sequential"], row["ttft_mean_ms"]
+    if all(math.isnan(v) for v in (*ov.values(), *seq.values())):
+        return lines + ["  router phases: none timed (a router without pdserve_router_phase_seconds)"]
+    beside = {
+        "before_first_call": f"colocated: the router's own time {row['router_own_mean_ms']:.2f} "
+                             "(before its call and relaying)",
+        "prefill_leg": f"colocated prefill of the same prompt (TTFT straight at the engine) {ttft['direct']:.1f}",
+        "decode_first_token": f"the decode engine's floor {row['pd_floor_ttft_mean_ms']:.1f}",
+    }
+    lines.append(f"  where P/D TTFT goes (router's phases, mean ms): {'overlapped':>10} {'in sequence':>12}")
+    for name, title in PHASES.items():
+        lines.append(f"    {title:<30}{ov[name]:>10.2f} {seq[name]:>12.2f}   {beside.get(name, '')}".rstrip())
+    lines.append(f"    {'sum: the router sees the token':<30}{sum(ov[n] for n in PHASES):>10.2f} "
+                 f"{sum(seq[n] for n in PHASES):>12.2f}   colocated TTFT through the router {ttft['colocated']:.1f}")
+    lines.append(f"    {'TTFT the client sees':<30}{ttft['pd']:>10.2f} {ttft['sequential']:>12.2f}")
+    lines.append(f"    overlapped decode leg out before the prefill answered (inside the prefill leg): "
+                 f"{ov['overlap_wait']:.1f}")
+    return lines
 
 
 def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]]) -> tuple[Path, Path]:
@@ -536,7 +626,9 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
     else:
         model, served = str(tiny_model_dir()), TINY_SERVED_NAME
         vllm_args, env = (*TINY_VLLM_ARGS, *cfg.vllm_args), dict(TINY_ENGINE_ENV)
-    prompts = PromptSource(load_tokenizer(cfg.tokenizer or model), cfg.input_len, cfg.seed)
+    tokenizer = load_tokenizer(cfg.tokenizer or model)
+    prompts = PromptSource(tokenizer, cfg.input_len, cfg.seed)
+    floor_prompts = PromptSource(tokenizer, FLOOR_PROMPT_TOKENS, cfg.seed + 1)
     bench = BenchConfig(**{**asdict(cfg), "model": served})
 
     def stack(**kw: Any) -> StackConfig:
@@ -552,6 +644,7 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
                 second_router(pd, "--no-pd-overlap") as sequential_url, \
                 second_router(pd, "--no-pd-queue-aware") as blind_url:
             decode_url = pd.worker_urls("decode")[0]
+            runs += engine_floor(bench, decode_url, FLOOR_LABELS["pd"], floor_prompts)
             for conc in cfg.max_concurrency:
                 # The stack's router overlaps the legs and skips a long prefill queue (the defaults);
                 # the second sends the legs in sequence, the third always disaggregates.
@@ -567,6 +660,7 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
         runs += lmcache_runs(cfg, bench, prompts, stack)
     coloc = stack(num_prefill=0, num_decode=1, connector=False, pd_min_prompt_tokens=10**9)
     with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):
+        runs += engine_floor(bench, coloc.worker_urls("decode")[0], FLOOR_LABELS["colocated"], floor_prompts)
         # Router and direct alternate level by level, so slow drift in the machine's
         # load does not land on one side of the router-overhead difference.
         for conc in cfg.max_concurrency:
@@ -574,6 +668,14 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
             runs += asyncio.run(bench_endpoint(bench, coloc.worker_urls("decode")[0], "colocated-direct",
                                                prompts, [conc]))
     return runs
+
+
+def engine_floor(cfg: BenchConfig, engine_url: str, label: str, prompts: PromptSource) -> list[Run]:
+    """TTFT of short prompts sent one at a time straight to an engine: what a first token costs there
+    when there is next to nothing to prefill, the least a decode leg can cost (its KV loaded, one step)."""
+    floor = BenchConfig(**{**asdict(cfg), "input_len": FLOOR_PROMPT_TOKENS, "output_len": 1,
+                           "num_prompts": FLOOR_PROMPTS, "num_warmups": 2, "goodput": {}})
+    return asyncio.run(bench_endpoint(floor, engine_url, label, prompts, [1]))
 
 
 def lmcache_runs(cfg: BenchConfig, bench: BenchConfig, prompts: PromptSource, stack: Any) -> list[Run]:

@@ -46,6 +46,16 @@ class RouterMetrics:
             buckets=_BUCKETS,
             registry=r,
         )
+        self.phase = Histogram(
+            "pdserve_router_phase_seconds",
+            "Where a P/D request's time to first token goes (decode_leg.pd_phases): the router before its "
+            "first upstream call, the prefill leg, between the legs, the decode leg to its first token, relaying "
+            "that token; overlap_wait, not a share of the whole, is how long an overlapped decode leg was out "
+            "before the prefill answered",
+            ["phase"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
         self.overhead = Histogram(
             "pdserve_router_overhead_seconds",
             "The router's own time on a streamed request's way to its first token: before the first "
@@ -71,6 +81,11 @@ class RouterMetrics:
             "pdserve_router_worker_healthy", "1 when the worker takes requests (healthy, breaker closed)",
             ["role", "worker"], registry=r,
         )
+
+    def observe_phases(self, phases: dict[str, float]) -> None:
+        """One P/D request's phases, so a benchmark can say who owns each millisecond of its TTFT."""
+        for phase, seconds in phases.items():
+            self.phase.labels(phase).observe(seconds)
 
     def follow_token_cost(self, pool: str, per_token: Callable[[], float | None]) -> None:
         """Show a learned per-token cost (0 while unknown), read when /metrics is asked."""

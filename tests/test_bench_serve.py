@@ -11,13 +11,19 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
+import httpx
 import matplotlib.image
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.serve import (PromptSource, RequestResult, Run, comparison, config_from_args, load_tokenizer,
-                                       main, router_means, summarize)
+from pdserve.bench import processes
+from pdserve.bench.serve import (FLOOR_LABELS, PHASES, PromptSource, RequestResult, Run, comparison,
+                                 config_from_args, floor_and_phase_lines, load_tokenizer, main, router_means,
+                                 router_sums, summarize)
+from pdserve.router.flow.call import Call
+from pdserve.router.flow.decode_leg import DecodeLeg, pd_phases
 
 if TYPE_CHECKING:
     from pdstack_fixtures import UpStack
@@ -57,6 +63,118 @@ def test_router_means_are_per_request_over_the_run() -> None:
     assert router_means(before, after) == pytest.approx({"handoff_mean_ms": 50.0, "router_overhead_mean_ms": 1.0})
     assert router_means(None, after) == {}  # not a pdserve router
     assert router_means(after, after) == {}  # nothing was measured in between
+
+
+def _leg(t_sent: float) -> DecodeLeg:
+    return DecodeLeg(None, None, b"", None, set(), t_sent, t_sent)  # type: ignore[arg-type]  # only times are read
+
+
+@pytest.mark.parametrize("t_sent, between, decode, wait", [(0.5, 0.1, 0.3, None), (0.05, 0.0, 0.4, 0.35)],
+                         ids=["sequential", "overlapped"])
+def test_pd_phases_own_every_second_of_the_way_to_the_first_token(
+        t_sent: float, between: float, decode: float, wait: float | None) -> None:
+    call = Call("completions", b"{}", {}, "r", t0=0.0, t_first_call=0.01, t_prefill_answer=0.4)
+    phases = pd_phases(call, _leg(t_sent), t_token=0.8, relay_s=0.002)
+    assert phases.pop("overlap_wait", None) == (None if wait is None else pytest.approx(wait))
+    assert phases == pytest.approx({"before_first_call": 0.01, "prefill_leg": 0.39, "between_legs": between,
+                                    "decode_first_token": decode, "relay": 0.002})
+    assert set(phases) == set(PHASES) and sum(phases.values()) == pytest.approx(0.802)
+
+
+_PAGE = """\
+# TYPE pdserve_router_handoff_seconds histogram
+pdserve_router_handoff_seconds_sum 0.5
+pdserve_router_handoff_seconds_count 2.0
+# TYPE pdserve_router_phase_seconds histogram
+pdserve_router_phase_seconds_bucket{le="+Inf",phase="prefill_leg"} 2.0
+pdserve_router_phase_seconds_count{phase="prefill_leg"} 2.0
+pdserve_router_phase_seconds_sum{phase="prefill_leg"} 0.9
+pdserve_router_phase_seconds_count{phase="relay"} 2.0
+pdserve_router_phase_seconds_sum{phase="relay"} 0.004
+# TYPE pdserve_router_ttft_seconds histogram
+pdserve_router_ttft_seconds_sum{route="completions"} 7.0
+"""
+
+
+def test_router_sums_reads_each_phase_by_its_label() -> None:
+    sums = router_sums(_PAGE)
+    assert sums == {"handoff": (0.5, 2.0), "phase_prefill_leg": (0.9, 2.0), "phase_relay": (0.004, 2.0)}
+    before = {"phase_prefill_leg": (0.3, 1.0)}  # the relay phase had not been seen yet
+    assert router_means(before, sums) == pytest.approx(
+        {"handoff_mean_ms": 250.0, "phase_prefill_leg_mean_ms": 600.0, "phase_relay_mean_ms": 2.0})
+
+
+def _phase_run(label: str, ttft_ms: float, tpot_s: float, phases_ms: dict[str, float] | None = None) -> Run:
+    metrics = summarize([_result(ttft_ms / 1000, ttft_ms / 1000 + 4 * tpot_s, 5)], 1.0, {})
+    if phases_ms:
+        metrics["router"] = {f"phase_{k}_mean_ms": v for k, v in phases_ms.items()}
+    return Run(label, "http://x", 1, metrics)
+
+
+def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connector() -> None:
+    ov = {"before_first_call": 0.5, "prefill_leg": 110.0, "between_legs": 0.0, "decode_first_token": 19.0,
+          "relay": 0.1, "overlap_wait": 100.0}
+    seq = {**ov, "between_legs": 0.4, "decode_first_token": 24.0}
+    del seq["overlap_wait"]
+    runs = [_phase_run(FLOOR_LABELS["pd"], 12.0, 0.0), _phase_run(FLOOR_LABELS["colocated"], 11.0, 0.0),
+            _phase_run("pd", 130.0, 0.0105, ov), _phase_run("pd-sequential", 135.0, 0.0110, seq),
+            _phase_run("colocated-router", 100.0, 0.0100), _phase_run("colocated-direct", 99.5, 0.0100)]
+    [row] = comparison(runs)
+    assert row["pd_floor_ttft_p50_ms"] == pytest.approx(12.0)
+    assert row["colocated_floor_ttft_p50_ms"] == pytest.approx(11.0)
+    assert row["handoff_over_floor_ms"] == pytest.approx(18.0)  # 130 - 100 - 12
+    assert row["sequential_handoff_over_floor_ms"] == pytest.approx(23.0)
+    assert row["tpot_connector_ratio"] == pytest.approx(1.05)
+    assert row["phases"]["overlap"]["decode_first_token"] == 19.0
+    assert math.isnan(row["phases"]["sequential"]["overlap_wait"])
+    lines = floor_and_phase_lines(row)
+    text = "\n".join(lines)
+    assert "P/D decode engine 12.0 ms, colocated engine 11.0 ms" in text
+    assert "18.0 ms overlapped, 23.0 ms in sequence" in text and "x1.050" in text
+    decode_line = next(line for line in lines if PHASES["decode_first_token"] in line)
+    assert decode_line.split()[5:7] == ["19.00", "24.00"] and "floor 12.0" in decode_line
+    total = next(line for line in lines if "sum:" in line)
+    assert total.split()[6:8] == ["129.60", "135.00"]  # the phases, added up
+
+
+def test_phase_rows_say_so_when_the_router_timed_none() -> None:
+    runs = [_phase_run("pd", 130.0, 0.01), _phase_run("colocated-router", 100.0, 0.01),
+            _phase_run("colocated-direct", 99.5, 0.01)]
+    [row] = comparison(runs)
+    assert math.isnan(row["pd_floor_ttft_p50_ms"])  # no floor runs
+    assert floor_and_phase_lines(row)[-1].startswith("  router phases: none timed")
+
+
+@pytest.fixture(scope="module")
+def router_on_stub() -> Iterator[str]:
+    """A router whose prefill and decode workers are `bench router`'s stub: both legs, real HTTP, no engine."""
+    import sys
+
+    from procs import free_port
+
+    port = free_port()
+    stub = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "pdserve.bench.router_stub", "--port", str(port), "--tokens", "3"]
+    with processes.service(argv, f"{stub}/health", "stub"), \
+            processes.router("--prefill", stub, "--decode", stub, "--pd-min-prompt-tokens", "0",
+                             "--log-level", "warning") as (url, _proc):
+        yield url
+
+
+def test_the_router_times_each_phase_of_a_pd_request(router_on_stub: str) -> None:
+    body = {"model": "stub", "prompt": "hello " * 50, "max_tokens": 3, "stream": True}
+    for _ in range(3):
+        with httpx.stream("POST", f"{router_on_stub}/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200 and "t2" in resp.read().decode()
+    text = httpx.get(f"{router_on_stub}/metrics", timeout=30).text
+    sums = router_sums(text)
+    assert {k: v[1] for k, v in sums.items() if k.startswith("phase_")} == {f"phase_{p}": 3.0 for p in PHASES}
+    ttft = next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "pdserve_router_ttft_seconds_sum")
+    # the phases up to the first token are the router's TTFT, to the microsecond
+    phases_to_token = sum(sums[f"phase_{p}"][0] for p in PHASES if p != "relay")
+    assert phases_to_token == pytest.approx(ttft, abs=1e-6)
+    assert sums["phase_prefill_leg"][0] > 0 and sums["phase_decode_first_token"][0] > 0
 
 
 def test_prompts_have_the_exact_token_count_and_never_repeat(tiny_deepseek_v3: Path) -> None:

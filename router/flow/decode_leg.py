@@ -41,6 +41,31 @@ class DecodeLeg:
     t_prefill_done: float | None
 
 
+def pd_phases(call: Call, leg: DecodeLeg, t_token: float, relay_s: float) -> dict[str, float]:
+    """Seconds of each phase of a P/D request's way to its first token (`t_token`, then `relay_s` to relay it).
+
+    The first five add up to that whole way, so a gap between P/D and colocated TTFT has an owner:
+    the router before its first call, the prefill leg (first prefill call to its answer, retries
+    included), between the legs (the answer to the decode leg's call: the router's own work, on
+    LMCache its wait for the chunks, and any decode leg that failed before its first token), the
+    decode leg to its first token (from its call, or from the prefill's answer when it went out
+    before it), relaying. `overlap_wait` (overlapped legs only) is the part of the prefill leg the
+    decode leg spent waiting.
+    """
+    t_answer = call.t_prefill_answer if call.t_prefill_answer is not None else leg.t_sent
+    t_first = call.t_first_call if call.t_first_call is not None else leg.t_sent
+    phases = {
+        "before_first_call": t_first - call.t0,
+        "prefill_leg": t_answer - t_first,
+        "between_legs": max(0.0, leg.t_sent - t_answer),
+        "decode_first_token": t_token - max(leg.t_sent, t_answer),
+        "relay": relay_s,
+    }
+    if leg.t_sent < t_answer:
+        phases["overlap_wait"] = t_answer - leg.t_sent
+    return phases
+
+
 def drop_leg(task: "asyncio.Future[DecodeLeg]") -> None:
     """Give up an overlapped decode leg: cancel it, or close it if it already has its headers
     (closing the connection makes vLLM abort the request, which ends its wait in the store)."""

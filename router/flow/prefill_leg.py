@@ -113,6 +113,7 @@ class PrefillLeg:
                         slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout
                     ) as resp:
                         status, content = resp.status, await resp.read()
+                    t_answer = time.perf_counter()
                     timing.ok = status == 200
                 except UPSTREAM_ERRORS as exc:
                     slot.failed(exc)
@@ -130,6 +131,7 @@ class PrefillLeg:
                 raise UpstreamResponse(status, content)
             self.metrics.leg.labels("prefill").observe(time.perf_counter() - t)
             call.prefill_worker = slot.worker
+            call.t_prefill_answer = t_answer
             data = msgspec.json.decode(content)
             params = data.get("kv_transfer_params")
             if isinstance(params, dict):

@@ -19,7 +19,7 @@ import msgspec
 
 from pdserve.router.errors import RouterError
 from pdserve.router.flow.call import Call, UpstreamResponse
-from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs
+from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs, pd_phases
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.requests import Route
 from pdserve.router.upstream import UPSTREAM_ERRORS, describe
@@ -147,5 +147,6 @@ class Relay:
         own = (call.t_first_call or leg.t_sent) - call.t0 + relay_s
         if leg.t_prefill_done is not None:
             self.metrics.handoff.observe(now - leg.t_prefill_done)
+            self.metrics.observe_phases(pd_phases(call, leg, now, relay_s))
             own += max(0.0, leg.t_sent - leg.t_prefill_done)  # an overlapped leg went out before
         self.metrics.overhead.observe(own)
