@@ -7,6 +7,12 @@ cached prompt). The tokenizer is loaded locally (transformers, from the model fo
 the workers serve) once, off the event loop; until it is loaded, or when it cannot
 be, a worker's /tokenize answers instead. Either way the ids only steer routing: the
 prompt a worker runs is always the one it renders itself.
+
+When neither can count a prompt (the tokenizer still loading and the worker not
+answering: a stopped prefill engine's /tokenize hangs), the count is estimated from
+the request body's size at the body bytes per token of the prompts counted so far.
+A fixed 4 bytes per token was 2.6x short for the random-word prompts of the tests,
+which made a stuck prefill worker's backlog look small enough to queue behind.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
 log = logging.getLogger("pdserve.router.tokens")
 
 _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+_BYTES_PER_TOKEN_PRIOR = 4.0  # until a prompt has been counted: about what English text takes
+_ALPHA = 0.2  # weight of the newest counted prompt in the bytes-per-token average
 
 # Request fields that change how a chat prompt renders, as vLLM's /tokenize accepts them.
 _CHAT_RENDER_FIELDS = ("tools", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
@@ -46,6 +54,21 @@ class PromptTokens:
         self.tokenizer_path = tokenizer_path
         self._loading: dict[str, asyncio.Task] = {}
         self._encode_lock = threading.Lock()
+        self._bytes_per_token = _BYTES_PER_TOKEN_PRIOR
+        self._counted = 0
+
+    def estimate(self, body_size: int) -> int:
+        """A prompt's token count when nothing could count it, from its request body's size."""
+        return int(body_size / self._bytes_per_token)
+
+    def learn(self, body_size: int, tokens: int) -> None:
+        """A prompt of `tokens` tokens came in a body of `body_size` bytes (the first one replaces the prior)."""
+        if tokens <= 0 or body_size <= 0:
+            return
+        ratio = body_size / tokens
+        self._bytes_per_token = ratio if not self._counted else self._bytes_per_token + _ALPHA * (
+            ratio - self._bytes_per_token)
+        self._counted += 1
 
     def _path_for(self, model: str | None) -> str | None:
         if self.tokenizer_path:
@@ -81,11 +104,19 @@ class PromptTokens:
             return None
         return task.result()
 
-    async def ids(self, route: Route, body: dict[str, Any], worker_url: str) -> list[int] | None:
-        """The prompt's token ids, or None when neither the local tokenizer nor the worker can say."""
+    async def ids(self, route: Route, body: dict[str, Any], worker_url: str, body_size: int = 0) -> list[int] | None:
+        """The prompt's token ids, or None when neither the local tokenizer nor the worker can say.
+        A tokenized prompt whose request body had `body_size` bytes teaches `estimate` (token-id prompts,
+        which need no tokenizer, do not: their bytes per token say nothing of a text prompt's)."""
         prompt = body.get("prompt")
         if route == "completions" and isinstance(prompt, list) and all(type(t) is int for t in prompt):
             return prompt
+        ids = await self._tokenize(route, body, worker_url)
+        if ids is not None:
+            self.learn(body_size, len(ids))
+        return ids
+
+    async def _tokenize(self, route: Route, body: dict[str, Any], worker_url: str) -> list[int] | None:
         tok = self._local(body.get("model"))
         if tok is not None:
             try:

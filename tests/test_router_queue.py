@@ -339,3 +339,19 @@ def test_queue_flags_parse_and_refuse_a_bad_interval() -> None:
     assert (cfg.pd_queue_aware, cfg.pd_queue_poll_interval) == (True, 0.25)
     with pytest.raises(SystemExit):
         config_from_args(["--decode", "http://d", "--pd-queue-poll-interval", "0"])
+
+
+async def test_uncounted_prompts_are_estimated_at_the_counted_prompts_bytes_per_token() -> None:
+    async with aiohttp.ClientSession() as http:
+        tokens = PromptTokens(http, {}, None)
+        assert tokens.estimate(4000) == 1000  # nothing counted yet: 4 bytes per token
+        tokens.learn(1632, 1056)  # the first counted prompt replaces that prior
+        assert tokens.estimate(1632) == 1056
+        tokens.learn(1632 * 3, 1056)  # later ones move the average by a fifth of the difference
+        assert tokens.estimate(1632) == int(1632 / (1632 / 1056 * 1.4))
+        tokens.learn(0, 10)  # an empty body or prompt teaches nothing
+        tokens.learn(10, 0)
+        # Neither do token-id prompts (no tokenizer counted them) nor prompts nothing could count.
+        assert await tokens.ids("completions", {"prompt": [1, 2, 3]}, "http://127.0.0.1:9", body_size=999) == [1, 2, 3]
+        assert await tokens.ids("completions", {"prompt": "x"}, "http://127.0.0.1:9", body_size=999) is None
+        assert tokens.estimate(1632) == int(1632 / (1632 / 1056 * 1.4))

@@ -89,7 +89,11 @@ def test_a_prefill_queue_sends_prompts_decode_only_and_tokens_stay_identical(pd_
                    what="a scrape of the stopped worker to fail")
 
         probe = long_prompt(200, seed=65)
-        probe_ids = stream_ids(router.url, model, probe, timeout=120)  # the decode worker alone can answer
+        try:  # the decode worker alone can answer
+            probe_ids = stream_ids(router.url, model, probe, timeout=120)
+        except httpx.TimeoutException as exc:  # the router's reasons say which path it took and why
+            raise AssertionError(f"the probe timed out; paths {paths(router.url)}; "
+                                 f"router log:\n{router.log_tail(8000)}") from exc
         assert paths(router.url)["decode_only_prefill_queue"] == 1
         assert metric(router.url, "pdserve_router_inflight", {"role": "prefill"}) == 3  # still stuck
 

@@ -13,6 +13,7 @@ on that backend (lmcache_view.py), asked together.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pdserve.router.config import RouterConfig
@@ -23,6 +24,8 @@ from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 
+log = logging.getLogger("pdserve.router.paths")
+
 
 def _is_batch(body: dict[str, Any]) -> bool:
     prompt = body.get("prompt")
@@ -32,6 +35,10 @@ def _is_batch(body: dict[str, Any]) -> bool:
 def _forks(body: dict[str, Any]) -> bool:
     """n > 1 (or beam search) makes vLLM fork child requests that would all claim the prefill's one tail."""
     return (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1 or bool(body.get("use_beam_search"))
+
+
+def _seconds(x: float | None) -> str:
+    return "unknown" if x is None else f"{x:.3f}"
 
 
 class PathPlanner:
@@ -47,8 +54,8 @@ class PathPlanner:
 
     async def plan(self, call: Call) -> tuple[str, RouteContext]:
         """The path (a metrics label: "pd" or "decode_only_<why>") and the facts the policies use."""
-        estimate = len(call.raw) // 4  # a rough count for load accounting when no tokenization is needed
-        ctx = RouteContext(model=call.model, prompt_tokens=estimate)
+        # a rough count for load accounting where no tokenization is needed (or none answers)
+        ctx = RouteContext(model=call.model, prompt_tokens=self.tokens.estimate(len(call.raw)))
         if _is_batch(call.body):
             return "decode_only_batch", ctx
         if _forks(call.body):
@@ -56,7 +63,7 @@ class PathPlanner:
         prefill_workers = self.prefill.candidates(call.model)
         if not prefill_workers:
             return "decode_only_no_prefill", ctx
-        ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url)
+        ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
         if ids is not None:
             ctx.prompt_tokens = len(ids)
         if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
@@ -68,6 +75,8 @@ class PathPlanner:
         if self.cfg.pd_queue_aware:
             wait = self.queue.prefill_wait(prefill_workers)
             recompute = self.queue.recompute_cost(ctx.prompt_tokens, self.decode.candidates(call.model))
+            log.debug("queue-aware: %d prompt tokens, prefill wait %s s, recompute %s s",
+                      ctx.prompt_tokens, _seconds(wait), _seconds(recompute))
             if wait is not None and recompute is not None and wait > recompute:
                 call.recompute = self.queue.start_recompute(ctx.prompt_tokens)
                 return "decode_only_prefill_queue", ctx
