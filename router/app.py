@@ -9,6 +9,7 @@ test can run several routers in one process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import sys
 import uuid
@@ -42,6 +43,12 @@ from pdserve.router.upstream import new_session
 __all__ = ["build_parser", "create_app", "main"]
 
 log = logging.getLogger("pdserve.router")
+
+# Allocations (net of frees) of tracked objects between young-generation collections, and young
+# (then middle) collections between older ones. CPython's defaults (700, 10, 10) collect the
+# young generation every ~10 requests at c=16, while those requests' objects are still alive, so
+# they are promoted and keep the older generations busy (see tune_gc).
+GC_THRESHOLDS = (20_000, 20, 100)
 
 
 class Router:
@@ -203,6 +210,21 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     return app
 
 
+def tune_gc() -> None:
+    """Keep the cyclic GC off the request path: freeze what start-up built, collect young objects less often.
+
+    Measured under `pdserve bench router` at c=16 (defaults): a full collection every ~1000
+    requests walked the ~90k objects of the imports (FastAPI, pydantic, aiohttp, prometheus)
+    for 58 ms of CPU, stalling every request in flight (the p99 tail), and GC took ~12% of the
+    router's CPU. Frozen objects are never walked again, and with a young generation of
+    GC_THRESHOLDS[0] a request's objects are mostly freed by reference counting before a
+    collection sees them, so few are promoted. Cycles are still collected, only in larger batches.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
@@ -216,5 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop="uvloop", http=head_deadline_protocol(cfg.header_timeout), timeout_graceful_shutdown=5,
         )
     )
+    tune_gc()  # after the imports and the app are built: those live as long as the process
     server.run()
     return 0

@@ -283,3 +283,32 @@ async def test_prompt_tokens_locally_from_the_model_folder(tiny_deepseek_v3) -> 
         # No local tokenizer and no reachable worker: None, so the router routes by its estimate.
         assert await PromptTokens(http, {}, None).ids("completions", {"prompt": "x"}, "http://127.0.0.1:9") is None
         await tokens.stop()
+
+
+# ---------------------------------------------------------------- GC
+
+
+def test_tune_gc_freezes_startup_objects_and_still_collects_cycles() -> None:
+    import gc
+    import weakref
+
+    from pdserve.router.app import GC_THRESHOLDS, tune_gc
+
+    class Node:
+        pass
+
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_freeze_count() > 1000  # the imports' objects are out of every collection
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert gc.isenabled()
+        cycle = Node()
+        cycle.self = cycle  # type: ignore[attr-defined]
+        gone = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert gone() is None  # garbage made after start-up is still found
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
