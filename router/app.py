@@ -21,6 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route as StarletteRoute
+from starlette.types import Receive, Scope, Send
 
 from pdserve.router.config import RouterConfig, build_parser, config_from_args
 from pdserve.router.connections import CloseUnreadBodies, head_deadline_protocol
@@ -29,13 +31,13 @@ from pdserve.worker.registration import WorkerRecord
 from pdserve.router.errors import RouterError
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.flow.call import Call
+from pdserve.router.flow.call import Call, ClientWatch
 from pdserve.router.flow.pd_flow import PDFlow
 from pdserve.router.policies import make_policy
 from pdserve.router.pool import Pool
 from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.queue_view import QueueView
-from pdserve.router.requests import Route, read_body, validate
+from pdserve.router.requests import PATHS, Route, read_body, validate
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 from pdserve.router.upstream import new_session
@@ -165,25 +167,39 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         log.exception("unexpected error")
         return RouterError(500, f"internal router error: {exc!r}").response()
 
-    async def completion(route: Route, request: Request) -> Response:
-        try:
-            if not _authorized(router, request):
-                raise RouterError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
-            raw = await read_body(request, cfg.max_request_bytes, cfg.body_timeout)
-            body = validate(route, raw)
+    class Completion:
+        """A completion route as a bare ASGI app (a Starlette Route, not a FastAPI one).
+
+        FastAPI's endpoint machinery (dependency solving, its exit stack, the response sent by its
+        wrapper) does nothing these routes use, and the stream must be sent inside the request's
+        ClientWatch, which this app holds from the body's end to the response's end.
+        """
+
+        def __init__(self, route: Route) -> None:
+            self.route = route
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            route = self.route
+            request = Request(scope, receive)
+            try:
+                if not _authorized(router, request):
+                    raise RouterError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+                raw = await read_body(request, cfg.max_request_bytes, cfg.body_timeout)
+                body = validate(route, raw)
+            except RouterError as exc:
+                await counted(route, exc.response())(scope, receive, send)
+                return
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             call = Call(route=route, raw=raw, body=body, request_id=request_id)
-            return counted(route, await router.flow.handle(call, request))
-        except RouterError as exc:
-            return counted(route, exc.response())
+            with ClientWatch(receive) as watch:
+                try:
+                    resp = await router.flow.handle(call, watch)
+                except RouterError as exc:
+                    resp = exc.response()
+                await counted(route, resp)(scope, receive, send)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await completion("chat", request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await completion("completions", request)
+    for route in PATHS:
+        app.router.routes.append(StarletteRoute(PATHS[route], Completion(route), methods=["POST"]))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

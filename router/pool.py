@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Protocol, Sequence
 
+from prometheus_client import Gauge
+
 from pdserve.kvstore.client.lmcache_mp import LMCacheKey
 from pdserve.router.breaker import Breaker, Verdict
 from pdserve.router.config import RouterConfig
@@ -55,12 +57,17 @@ class Worker:
     breaker: Breaker = field(
         default_factory=lambda: Breaker(RouterConfig.breaker_failures, RouterConfig.breaker_cooldown)
     )
+    # `models` of the cards list it was built from: asked for several times a request, the cards change rarely
+    _models: tuple[list[dict[str, Any]], set[str]] | None = field(default=None, init=False, repr=False)
 
     @property
     def models(self) -> set[str] | None:
-        if self.model_cards is None:
+        cards = self.model_cards
+        if cards is None:
             return None
-        return {str(card.get("id")) for card in self.model_cards}
+        if self._models is None or self._models[0] is not cards:
+            self._models = (cards, {str(card.get("id")) for card in cards})
+        return self._models[1]
 
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.closed(now)
@@ -122,6 +129,7 @@ class Pool:
         self.cfg = cfg
         self.metrics = metrics
         self.workers: dict[str, Worker] = {}
+        self._series: dict[str, tuple[Gauge, Gauge]] = {}  # worker id -> (inflight, healthy): see _gauges
         self.waiting = 0
         self._waiters: list[asyncio.Future[None]] = []
         # Asks for a health check of a worker now (set by the app). A reset connection alone does
@@ -164,6 +172,7 @@ class Pool:
     def _remove(self, wid: str) -> None:
         w = self.workers.pop(wid)
         w.healthy = False  # in-flight slots of a departed worker must not bring it back
+        self._series.pop(wid, None)
         self.metrics.forget_worker(self.role, wid)
         log.info("%s worker removed: %s", self.role, wid)
         self._wake()
@@ -186,10 +195,20 @@ class Pool:
             if w.available(now):
                 self._wake()
 
+    def _gauges(self, w: Worker) -> tuple[Gauge, Gauge]:
+        """`w`'s (inflight, healthy) series, looked up once: they are set on every slot taken and released,
+        and each labels() call is a lock and a tuple of strings."""
+        series = self._series.get(w.id)
+        if series is None:
+            series = (self.metrics.inflight.labels(self.role, w.id), self.metrics.worker_healthy.labels(self.role, w.id))
+            self._series[w.id] = series
+        return series
+
     def _publish(self, w: Worker) -> None:
         if w.id in self.workers:
-            self.metrics.worker_healthy.labels(self.role, w.id).set(1 if w.available(time.monotonic()) else 0)
-            self.metrics.inflight.labels(self.role, w.id).set(w.inflight)
+            inflight, healthy = self._gauges(w)
+            healthy.set(1 if w.available(time.monotonic()) else 0)
+            inflight.set(w.inflight)
 
     # ------------------------------------------------------------ selection
 
@@ -257,7 +276,7 @@ class Pool:
         w.inflight += 1
         w.inflight_tokens += tokens
         w.served += 1
-        self.metrics.inflight.labels(self.role, w.id).set(w.inflight)
+        self._gauges(w)[0].set(w.inflight)
         return WorkerSlot(self, w, tokens)
 
     def _release(self, slot: WorkerSlot, verdict: Verdict) -> None:

@@ -7,6 +7,7 @@ cheaply, so the engine tests can stay few.
 from __future__ import annotations
 
 import asyncio
+from typing import AsyncGenerator
 
 import aiohttp
 import msgspec
@@ -312,3 +313,119 @@ def test_tune_gc_freezes_startup_objects_and_still_collects_cycles() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+# ---------------------------------------------------------------- client disconnects
+
+
+class _Client:
+    """An ASGI receive channel whose client hangs up when told to (`leave`), as uvicorn reports it."""
+
+    def __init__(self) -> None:
+        self.left = asyncio.Event()
+
+    async def receive(self) -> dict[str, object]:
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    def leave(self) -> None:
+        self.left.set()
+
+
+async def test_client_watch_turns_a_hang_up_into_an_end_of_the_request() -> None:
+    from pdserve.router.flow.call import ClientWatch
+
+    client = _Client()
+    cleaned = []
+
+    async def serve() -> str:
+        with ClientWatch(client.receive) as watch:
+            try:
+                try:
+                    await asyncio.sleep(3600)  # an upstream call
+                finally:
+                    cleaned.append("leg")
+            except asyncio.CancelledError:
+                if not watch.gone():
+                    raise
+                return "499"
+        return "served"
+
+    task = asyncio.ensure_future(serve())
+    await asyncio.sleep(0)
+    client.leave()
+    assert await task == "499"
+    assert cleaned == ["leg"] and not task.cancelled()
+
+
+async def test_client_watch_lets_other_cancels_through() -> None:
+    from pdserve.router.flow.call import ClientWatch
+
+    client = _Client()
+
+    async def serve() -> None:
+        with ClientWatch(client.receive) as watch:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                assert not watch.gone()
+                raise
+
+    task = asyncio.ensure_future(serve())
+    await asyncio.sleep(0)
+    task.cancel()  # a shutdown, say: the client is still there
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Both at once: the client leaves and the server shuts down. The shutdown's cancel must survive.
+    client = _Client()
+    task = asyncio.ensure_future(serve())
+    await asyncio.sleep(0)
+    client.leave()
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_client_watch_ignores_the_disconnect_after_its_block() -> None:
+    from pdserve.router.flow.call import ClientWatch
+
+    client = _Client()
+
+    async def serve() -> str:
+        with ClientWatch(client.receive):
+            await asyncio.sleep(0)
+            client.leave()  # uvicorn reports a finished response as a disconnect, during the last send
+        await asyncio.sleep(0.01)  # the next request's work on this task would be cancelled here
+        return "served"
+
+    assert await serve() == "served"
+
+
+async def test_event_stream_relays_until_the_client_leaves_and_cleans_up_at_once() -> None:
+    from pdserve.router.flow.call import ClientWatch
+    from pdserve.router.flow.relay import EventStream
+
+    client = _Client()
+    sent: list[dict[str, object]] = []
+    ended = []
+
+    async def relay() -> AsyncGenerator[bytes, None]:
+        try:
+            yield b"data: 1\n\n"
+            client.leave()
+            await asyncio.sleep(3600)  # the decode worker is slow with the next token
+            yield b"data: 2\n\n"
+        finally:
+            ended.append("499")
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    stream = EventStream(relay(), headers={"X-Request-Id": "r"})
+    with ClientWatch(client.receive):
+        await stream({"type": "http"}, client.receive, send)  # type: ignore[arg-type]
+    assert ended == ["499"]  # the relay's finally ran: slots and upstream connection released
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1]["body"] == b"data: 1\n\n"
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]  # type: ignore[operator]

@@ -39,15 +39,14 @@ from typing import Any, Awaitable
 
 import aiohttp
 import msgspec
-from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.flow.call import Call, ClientGone, until_disconnect
+from pdserve.router.flow.call import Call, ClientWatch
 from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs, drop_leg
 from pdserve.router.flow.paths import PathPlanner
 from pdserve.router.flow.prefill_leg import PrefillLeg, decode_payload, overlap_params, prompt_ids
-from pdserve.router.flow.relay import Relay
+from pdserve.router.flow.relay import EventStream, Relay
 from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Policy, Pool, RouteContext, Worker
@@ -86,15 +85,21 @@ class PDFlow:
 
     # ------------------------------------------------------------ entry
 
-    async def handle(self, call: Call, request: Request) -> Response:
-        """Serve one completion request: a stream (which counts its own outcome) or a whole response."""
+    async def handle(self, call: Call, watch: ClientWatch) -> Response:
+        """Serve one completion request: a stream (which counts its own outcome) or a whole response.
+
+        `watch` cancels this task when the client leaves: until a response is ready that is a 499
+        here (the legs' own cleanup has run as the cancel passed through them); afterwards the
+        stream's relay ends the same way."""
         self.decode.check_model(call.model)
         streaming = False
         try:
-            resp = await until_disconnect(request, self._serve(call))
+            resp = await self._serve(call)
             streaming = isinstance(resp, StreamingResponse)
             return resp
-        except ClientGone:
+        except asyncio.CancelledError:
+            if not watch.gone():
+                raise
             log.info("client closed request %s before the response", call.request_id)
             return Response(status_code=499)
         finally:
@@ -156,9 +161,7 @@ class PDFlow:
     async def _respond(self, call: Call, leg: DecodeLeg) -> Response:
         if leg.resp.status != 200 or not call.stream:
             return await self.decode_legs.unary(call, leg)
-        return StreamingResponse(
-            self.relay.stream(call, leg), media_type="text/event-stream", headers={"X-Request-Id": call.request_id}
-        )
+        return EventStream(self.relay.stream(call, leg), headers={"X-Request-Id": call.request_id})
 
     # ------------------------------------------------------------ cleanup
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable, Mapping
 
 import msgspec
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pdserve.router.errors import RouterError
 from pdserve.router.flow.call import Call, UpstreamResponse
@@ -67,6 +69,26 @@ def _has_token(route: Route, buf: bytes) -> bool:
     return False
 
 
+class EventStream(StreamingResponse):
+    """The relayed stream as an ASGI response, sent by the task that serves the request.
+
+    Starlette's StreamingResponse (on uvicorn's ASGI 2.3) sends from a task of its own in an
+    anyio task group beside a disconnect listener: two tasks and a cancel scope per response.
+    Here the request's ClientWatch (call.py) is the listener, so send this only inside one: a
+    disconnect cancels the serving task, which ends the relay just the same.
+    """
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], headers: Mapping[str, str]) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers=headers)
+        self.chunks = chunks
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.stream_response(send)
+        finally:  # the relay's cleanup at once, also when the cancel lands in a send rather than in it
+            await self.chunks.aclose()
+
+
 class Relay:
     def __init__(self, legs: DecodeLegs, metrics: RouterMetrics, end: Callable[[Call], None]) -> None:
         """`end` runs once the stream is over, whatever ended it (it frees what the call still holds)."""
@@ -74,7 +96,7 @@ class Relay:
         self.metrics = metrics
         self.end = end
 
-    async def stream(self, call: Call, leg: DecodeLeg) -> AsyncIterator[bytes]:
+    async def stream(self, call: Call, leg: DecodeLeg) -> AsyncGenerator[bytes, None]:
         """Relay the decode stream; retry on another worker until the first token, then pass bytes through."""
         outcome = "499"  # unless the stream ends otherwise, the client left
         first = False
