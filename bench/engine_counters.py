@@ -12,10 +12,23 @@ import httpx
 PREFIX = "vllm:pdserve_"
 
 
+# vLLM's own per-request histograms that split a decode leg's time inside the engine: arrival at its API
+# server to first token, then of that, queued in the engine (an async KV load's wait included) and from
+# first scheduled to first token. Read as `<key>_sum` and `<key>_count`.
+ENGINE_TIMES = {"engine_ttft": "vllm:time_to_first_token_seconds", "engine_queue": "vllm:request_queue_time_seconds",
+                "engine_prefill": "vllm:request_prefill_time_seconds"}
+_ENGINE_SAMPLES = {f"{name}_{part}": f"{key}_{part}" for key, name in ENGINE_TIMES.items() for part in ("sum", "count")}
+
+
 def parse_counters(text: str) -> dict[str, float]:
-    """{name: value} of every vllm:pdserve_* sample in a Prometheus text page, labels summed."""
+    """{name: value} of every vllm:pdserve_* sample in a Prometheus text page, and the sums and counts of
+    ENGINE_TIMES, labels summed."""
     totals: dict[str, float] = {}
     for line in text.splitlines():
+        engine = _ENGINE_SAMPLES.get(line.split("{", 1)[0].split(" ", 1)[0])
+        if engine is not None:
+            totals[engine] = totals.get(engine, 0.0) + float(line.rsplit(" ", 1)[1])
+            continue
         if not line.startswith(PREFIX):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix(PREFIX).removesuffix("_total")
@@ -67,3 +80,12 @@ def describe_load_phases(means: dict[str, float]) -> str:
             f"store fetch {means['load_fetch_ms']:.1f} ({means['load_waits']:.1f} waits for a producer's upload), "
             f"copy into the paged cache {means['load_scatter_ms']:.1f}, the engine noticing it "
             f"{means['load_ms'] - means['load_queue_ms'] - means['load_fetch_ms'] - means['load_scatter_ms']:.1f}")
+
+
+def engine_time_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """Mean ms per request of each of ENGINE_TIMES between two readings (`<key>_ms`); empty without requests."""
+    if not before or not after:
+        return {}
+    gained = delta(before, after)
+    return {f"{key}_ms": 1000.0 * gained.get(f"{key}_sum", 0.0) / gained[f"{key}_count"]
+            for key in ENGINE_TIMES if gained.get(f"{key}_count", 0.0) > 0}

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from pdserve.worker.config import split_passthrough
 from pdserve.deploy.ports import free_port
 from pdserve.bench import processes
-from pdserve.bench.engine_counters import describe_load_phases, load_phase_means, read_counters
+from pdserve.bench.engine_counters import describe_load_phases, engine_time_means, load_phase_means, read_counters
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -433,6 +433,7 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "ttft_mean_ms": {"pd": _stat(pd, "ttft_ms", "mean"), "sequential": _stat(seq, "ttft_ms", "mean"),
                              "colocated": coloc["ttft_ms"]["mean"], "direct": direct["ttft_ms"]["mean"]},
             "phases": {"overlap": phase_means(pd), "sequential": phase_means(seq)},
+            "decode_engine": {"overlap": pd.get("decode_engine", {}), "sequential": (seq or {}).get("decode_engine", {})},
             "backends": backend_rows(by, conc, coloc_ttft),
         })
     return rows
@@ -558,6 +559,12 @@ def floor_and_phase_lines(row: dict[str, Any]) -> list[str]:
     lines.append(f"    {'TTFT the client sees':<30}{ttft['pd']:>10.2f} {ttft['sequential']:>12.2f}")
     lines.append(f"    overlapped decode leg out before the prefill answered (inside the prefill leg): "
                  f"{ov['overlap_wait']:.1f}")
+    for mode, engine in row["decode_engine"].items():
+        if engine:
+            lines.append(f"    decode engine's own view ({'overlapped' if mode == 'overlap' else 'in sequence'}, "
+                         f"vLLM's histograms, warm-up included): arrival to first token {engine.get('engine_ttft_ms', math.nan):.1f}, "
+                         f"of which queued {engine.get('engine_queue_ms', math.nan):.1f} (KV load wait included) "
+                         f"and first scheduled to first token {engine.get('engine_prefill_ms', math.nan):.1f}")
     return lines
 
 
@@ -652,7 +659,9 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
                                    ("pd-queue-blind", blind_url)):
                     before, paths_before = read_counters(decode_url), router_paths(url)
                     level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc]))
-                    level[0].metrics["decode_loads"] = load_phase_means(before, read_counters(decode_url))
+                    after = read_counters(decode_url)
+                    level[0].metrics["decode_loads"] = load_phase_means(before, after)
+                    level[0].metrics["decode_engine"] = engine_time_means(before, after)
                     paths = {k: v - paths_before.get(k, 0.0) for k, v in router_paths(url).items()}
                     level[0].metrics["paths"] = {k: v for k, v in paths.items() if v}
                     runs += level

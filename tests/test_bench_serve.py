@@ -119,6 +119,7 @@ def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connect
     runs = [_phase_run(FLOOR_LABELS["pd"], 12.0, 0.0), _phase_run(FLOOR_LABELS["colocated"], 11.0, 0.0),
             _phase_run("pd", 130.0, 0.0105, ov), _phase_run("pd-sequential", 135.0, 0.0110, seq),
             _phase_run("colocated-router", 100.0, 0.0100), _phase_run("colocated-direct", 99.5, 0.0100)]
+    runs[3].metrics["decode_engine"] = {"engine_ttft_ms": 22.5, "engine_queue_ms": 8.0, "engine_prefill_ms": 14.5}
     [row] = comparison(runs)
     assert row["pd_floor_ttft_p50_ms"] == pytest.approx(12.0)
     assert row["colocated_floor_ttft_p50_ms"] == pytest.approx(11.0)
@@ -135,6 +136,8 @@ def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connect
     assert decode_line.split()[5:7] == ["19.00", "24.00"] and "floor 12.0" in decode_line
     total = next(line for line in lines if "sum:" in line)
     assert total.split()[6:8] == ["129.60", "135.00"]  # the phases, added up
+    engine = [line for line in lines if "decode engine's own view" in line]
+    assert len(engine) == 1 and "in sequence" in engine[0] and "first token 22.5, of which queued 8.0" in engine[0]
 
 
 def test_phase_rows_say_so_when_the_router_timed_none() -> None:

@@ -35,3 +35,20 @@ def test_load_phases_are_means_per_load_between_two_readings():
     assert means["load_scatter_ms"] == pytest.approx(2.0) and means["load_waits"] == pytest.approx(0.5)
     assert "engine noticing it 2.0" in describe_load_phases(means)
     assert load_phase_means(after, after) == {} and load_phase_means(None, after) == {}
+
+
+def test_engine_times_are_vllm_request_histograms_per_request_between_two_readings():
+    from pdserve.bench.engine_counters import engine_time_means
+
+    page = PAGE + (
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.5\n'
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0\n'
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0\n'
+        'vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.2\n'
+        'vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 4.0\n'
+    )
+    after = parse_counters(page)
+    assert after["engine_ttft_sum"] == 0.5 and after["loads"] == 5.0
+    before = {"engine_ttft_sum": 0.1, "engine_ttft_count": 2.0, "engine_queue_sum": 0.2, "engine_queue_count": 4.0}
+    assert engine_time_means(before, after) == pytest.approx({"engine_ttft_ms": 200.0})  # no request queued in between
+    assert engine_time_means(None, after) == {}
