@@ -83,7 +83,7 @@ class Router:
         self.http = new_session()
         self.health = HealthChecker((self.prefill, self.decode), self.http, self.worker_headers, self.cfg.health_interval)
         for pool in (self.prefill, self.decode):
-            pool.recheck = lambda w, pool=pool: self.health.check_soon(pool, [w])
+            pool.recheck = lambda w, pool=pool: self.health.check_soon(pool, [w])[0]
         self.tokens = PromptTokens(self.http, self.worker_headers, self.cfg.tokenizer)
         self.queue_view = (
             QueueView((self.prefill, self.decode), self.http, self.worker_headers, self.cfg.pd_queue_poll_interval,

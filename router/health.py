@@ -47,20 +47,26 @@ class HealthChecker:
             log.debug("health check of %s failed: %s", w.url, describe(exc))
             return False
 
-    async def check(self, pool: Pool, w: Worker) -> None:
+    async def check(self, pool: Pool, w: Worker) -> bool:
+        """Check `w` and apply the result; True when it answered (a caller may act on a worker found down)."""
         ok = await self._probe(w)
         if pool.workers.get(w.id) is w:  # it may have left while we waited
             pool.set_health(w, ok)
+        return ok
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(p, w) for p in self.pools for w in list(p.workers.values())))
 
-    def check_soon(self, pool: Pool, workers: Sequence[Worker]) -> None:
-        """Check newly joined workers now rather than at the next round."""
+    def check_soon(self, pool: Pool, workers: Sequence[Worker]) -> list[asyncio.Task[bool]]:
+        """Check these workers now rather than at the next round (joined, or suspected down); the
+        checks run whether or not anyone awaits them."""
+        tasks = []
         for w in workers:
             task = asyncio.create_task(self.check(pool, w))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+            tasks.append(task)
+        return tasks
 
     async def _loop(self) -> None:
         while True:

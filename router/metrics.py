@@ -73,6 +73,12 @@ class RouterMetrics:
             ["pool"], registry=r,
         )
         self.retries = Counter("pdserve_router_retries", "Legs retried on another worker", ["leg"], registry=r)
+        self.producer_lost = Counter(
+            "pdserve_router_producer_lost",
+            "Overlapped decode legs given up before their first token because their prefill worker was found "
+            "down after answering (its KV would never land); each request was served decode-only instead",
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "pdserve_router_queue_depth", "Requests waiting for a free worker", ["role"], registry=r
         )

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Literal, Protocol, Sequence
 
 from prometheus_client import Gauge
 
@@ -135,8 +135,9 @@ class Pool:
         # Asks for a health check of a worker now (set by the app). A reset connection alone does
         # not take a worker out: vLLM also resets the stream of one request it cannot serve (seen
         # with a malformed structured_outputs), and a client repeating that request must not take
-        # every worker out. The check decides; without one the worker is taken out at once.
-        self.recheck: Callable[[Worker], None] | None = None
+        # every worker out. The check decides; without one the worker is taken out at once. It runs
+        # whether or not its result (True: the worker answered) is awaited.
+        self.recheck: Callable[[Worker], Awaitable[bool]] | None = None
 
     # ------------------------------------------------------------ membership
 

@@ -4,21 +4,27 @@ the store for the producer's upload.
 The router learns a prefill worker's store from its first answer, so each router's first
 P/D request runs its legs in sequence and the ones after it overlap. A throwaway prefill
 engine of this module is stopped (SIGSTOP) to hold a decode leg in its wait, then the client
-hangs up or the engine is killed.
+hangs up or the engine is killed. Last, a producer that answers and dies before its upload
+lands: a stub (stub_producer.py) that answers but never uploads stands in for it, since a real
+engine's upload follows its answer by tens of ms (and stopping the store to hold it back makes
+the decode engine's own wait fail within its 1 s store deadline and recompute, so no decode leg
+would be left waiting).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
+from pathlib import Path
 from typing import Iterator
 
 import httpx
 import pytest
 
 pytest.register_assert_rewrite("router_fixtures")
-from procs import Proc
+from procs import Proc, free_port, start_process
 from router_fixtures import API_KEY, Stack, long_prompt, metric, pd_router, raw_post, start_router, wait_until
 
 pytest_plugins = ("router_fixtures",)
@@ -186,3 +192,46 @@ def test_prefill_killed_while_the_decode_leg_waits(pd_stack: Stack, held: HeldPr
     # The overlapped leg was dropped for a decode-only one, not waited out.
     assert metric(held.router.url, "pdserve_router_paths_total", {"path": "decode_only_prefill_failed"}) == 1
     wait_until(lambda: waiting(pd_stack.decode.url) == waiting_before, what="no decode leg left waiting")
+
+
+def test_producer_dead_after_its_answer_means_decode_only(pd_stack: Stack) -> None:
+    """The stub producer answers the prefill leg; the overlapped decode leg waits in the store (for
+    up to the router's prefill timeout, 300 s) for KV that never comes. While the producer lives, its
+    health checks pass and the leg is kept; once it is killed (-9), the next check gives the leg up
+    and the decode engine serves the request decode-only, as a recomputing engine answers it."""
+    port = free_port()
+    stub = start_process([sys.executable, str(Path(__file__).with_name("stub_producer.py")), "--port", str(port),
+                          "--kvstore-url", pd_stack.kvstore.url, "--model", pd_stack.model],
+                         f"http://127.0.0.1:{port}/health", name="stub-producer", port=port)
+    router = start_router("--prefill", stub.url, "--decode", pd_stack.decode.url, "--api-key", API_KEY,
+                          "--pd-min-prompt-tokens", "0", "--health-interval", "600")
+
+    def stub_stats() -> dict[str, int]:
+        return httpx.get(stub.url + "/stats", timeout=10).json()
+
+    def lost() -> float:
+        return metric(router.url, "pdserve_router_producer_lost_total")
+
+    try:
+        complete(router.url, pd_stack.model, long_prompt(40, seed=38))  # sequential: the router learns the store
+        prompt = long_prompt(100, seed=39)
+        waiting_before = waiting(pd_stack.decode.url)
+        sock = raw_post(router.url, "/v1/completions", {
+            "model": pd_stack.model, "prompt": prompt, "max_tokens": 6, "temperature": 0.0}, API_KEY)
+        wait_until(lambda: waiting(pd_stack.decode.url) == waiting_before + 1, what="the decode leg held in the engine")
+        wait_until(lambda: metric(router.url, "pdserve_router_leg_seconds_count", {"leg": "prefill"}) == 2,
+                   what="the prefill leg's answer")
+        checks = stub_stats()["health_checks"]
+        wait_until(lambda: stub_stats()["health_checks"] >= checks + 2, what="two health checks of the live producer")
+        assert lost() == 0 and waiting(pd_stack.decode.url) == waiting_before + 1  # a live producer keeps its leg
+        os.killpg(stub.pid, signal.SIGKILL)
+        head, body = read_response(sock)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        expected = complete(pd_stack.prefill.url, pd_stack.model, prompt, max_tokens=6)
+        assert httpx.Response(200, content=body).json()["choices"][0]["text"] == expected
+        assert lost() == 1
+        assert overlapped(router) == 1
+        wait_until(lambda: waiting(pd_stack.decode.url) == waiting_before, what="no decode leg left waiting")
+    finally:
+        router.stop()
+        stub.stop()

@@ -19,6 +19,7 @@ import msgspec
 from starlette.types import Receive
 
 from pdserve.router.errors import RouterError
+from pdserve.router.flow.producer_watch import ProducerWatch
 from pdserve.router.pool import Worker
 from pdserve.router.prefill_estimate import Recompute
 from pdserve.router.requests import Route
@@ -42,6 +43,7 @@ class Call:
     prefill_worker: Worker | None = None  # the worker whose prefill answered
     finished: bool = False  # the decode leg completed (its worker consumed the tail)
     recompute: Recompute | None = None  # sent decode-only for the prefill queue: counted until its first token
+    producer_watch: ProducerWatch | None = None  # an overlapped decode leg's producer, watched until its first token
 
     @property
     def model(self) -> str | None:

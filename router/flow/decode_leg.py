@@ -40,6 +40,15 @@ class DecodeLeg:
     t_sent: float
     t_prefill_done: float | None
 
+    def give_up(self, payload: bytes) -> None:
+        """Give up this overlapped leg before its first token for `payload` (decode-only): closing it
+        aborts the request in vLLM (ending its wait in the store), and the retry that follows (the
+        relay's) may take the same worker, which is not at fault, so its slot gets no verdict."""
+        self.slot.abandon()
+        self.tried.discard(self.slot.worker.id)
+        self.payload, self.t_prefill_done = payload, None
+        self.resp.close()  # a relay reading it gets ClientConnectionError: it retries with the above
+
 
 def pd_phases(call: Call, leg: DecodeLeg, t_token: float, relay_s: float) -> dict[str, float]:
     """Seconds of each phase of a P/D request's way to its first token (`t_token`, then `relay_s` to relay it).

@@ -18,6 +18,11 @@ so the decode leg's ingest and scheduling overlap the prefill. If the prefill fa
 wrote to another store than announced, the waiting decode leg is dropped (which aborts
 it) and a new one goes out as in the sequential flow.
 
+Once the prefill has answered, the producer is watched until the decode leg's first token
+(producer_watch.py): a producer that died before its upload landed would leave that leg
+waiting out the whole prefill timeout, so when a health check finds it down the leg is
+given up and the request served decode-only (counted in pdserve_router_producer_lost).
+
 Whatever ends a request early (client gone, decode failed) frees the prefill's store
 tail, so no KV is left behind waiting for a decode that will not come.
 
@@ -46,6 +51,7 @@ from pdserve.router.flow.call import Call, ClientWatch
 from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs, drop_leg
 from pdserve.router.flow.paths import PathPlanner
 from pdserve.router.flow.prefill_leg import PrefillLeg, decode_payload, overlap_params, prompt_ids
+from pdserve.router.flow.producer_watch import ProducerWatch
 from pdserve.router.flow.relay import EventStream, Relay
 from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.metrics import RouterMetrics
@@ -73,6 +79,7 @@ class PDFlow:
         queue: QueueEstimate,
     ) -> None:
         self.cfg = cfg
+        self.prefill = prefill
         self.decode = decode
         self.store = store
         self.metrics = metrics
@@ -143,8 +150,7 @@ class PDFlow:
             data = await prefill
             params = (data or {}).get("kv_transfer_params") or {}
             if decode is not None and data is not None and (params.get("kvstore_url"), params.get("kvstore_id")) == store:
-                path, leg = "pd_overlap", await decode
-                leg.t_prefill_done = time.perf_counter()
+                path, leg = "pd_overlap", await self._overlapped_leg(call, decode, ctx)
             else:  # no overlap after all: the prefill failed or wrote elsewhere
                 if decode is not None:
                     drop_leg(decode)
@@ -158,6 +164,45 @@ class PDFlow:
         self.metrics.paths.labels(path).inc()
         return await self._respond(call, leg)
 
+    async def _overlapped_leg(self, call: Call, decode: asyncio.Future[DecodeLeg], ctx: RouteContext) -> DecodeLeg:
+        """The overlapped decode leg once its prefill has answered, its producer watched until the leg's
+        first token: when the producer is found down before the leg's headers, a decode-only leg instead;
+        after them (a stream), the relay retries decode-only once the watch gives the leg up."""
+        t_prefill_done = time.perf_counter()
+        probe, producer = self.prefill.recheck, call.prefill_worker
+        if probe is None or producer is None:  # no health checks: a dead producer cannot be told from a slow one
+            leg = await decode
+            leg.t_prefill_done = t_prefill_done
+            return leg
+        lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        call.producer_watch = ProducerWatch(producer, probe, lambda: lost.set_result(None))
+        await asyncio.wait((decode, lost), return_when=asyncio.FIRST_COMPLETED)
+        if not decode.done():
+            drop_leg(decode)
+            self._producer_lost(call)
+            return await self.decode_legs.open(call, call.raw, ctx, set(), None)
+        leg = decode.result()
+        leg.t_prefill_done = t_prefill_done
+        if call.stream and leg.resp.status == 200:  # the relay stops the watch at the first token
+            call.producer_watch.on_lost = lambda: self._give_up(call, leg)
+        else:  # a whole response (or an error) is there with its headers
+            call.producer_watch.stop()
+        return leg
+
+    def _give_up(self, call: Call, leg: DecodeLeg) -> None:
+        """The producer of a relayed leg that has no token yet is gone: make the relay retry it decode-only."""
+        if leg.resp.closed:  # it failed already, and the relay is on another leg
+            return
+        leg.give_up(call.raw)
+        self._producer_lost(call)
+
+    def _producer_lost(self, call: Call) -> None:
+        self.metrics.producer_lost.inc()
+        log.info("request %s: its prefill worker died before its KV landed; serving it decode-only", call.request_id)
+        if call.kv_params:  # whatever of the prompt's KV did land is nobody's now
+            self._spawn(self.store.drop_tail(call.kv_params))
+            call.kv_params = None
+
     async def _respond(self, call: Call, leg: DecodeLeg) -> Response:
         if leg.resp.status != 200 or not call.stream:
             return await self.decode_legs.unary(call, leg)
@@ -166,9 +211,12 @@ class PDFlow:
     # ------------------------------------------------------------ cleanup
 
     def _end(self, call: Call) -> None:
-        """A request that had a prefill but no completed decode leaves a tail in the store: free it."""
+        """Free what the call still holds: a producer watch, and the store tail of a prefill whose decode
+        did not complete."""
         if call.recompute is not None:
             call.recompute.release()
+        if call.producer_watch is not None:
+            call.producer_watch.stop()
         if call.kv_params and not call.finished:
             self._spawn(self.store.drop_tail(call.kv_params))
 

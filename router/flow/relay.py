@@ -117,6 +117,8 @@ class Relay:
                         pending += chunk
                         if _has_token(call.route, pending):
                             first, t_last = True, now
+                            if call.producer_watch is not None:  # from here a lost producer no longer matters
+                                call.producer_watch.stop()
                             relayed_done = b"data: [DONE]" in pending
                             try:
                                 yield pending  # resumes once the server has sent it on
