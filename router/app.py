@@ -147,7 +147,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     def counted(route: str, resp: Response) -> Response:
         if not isinstance(resp, StreamingResponse):  # a stream counts its own outcome when it ends
-            router.metrics.requests.labels(route, str(resp.status_code)).inc()
+            router.metrics.series(router.metrics.requests, route, str(resp.status_code)).inc()
         return resp
 
     @app.exception_handler(RouterError)

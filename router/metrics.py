@@ -6,9 +6,11 @@ process, as tests run them, never collide, and /metrics shows only router series
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 # Latency buckets from sub-millisecond (router overhead, ITL) to minutes (CPU prefill).
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -87,11 +89,22 @@ class RouterMetrics:
             "pdserve_router_worker_healthy", "1 when the worker takes requests (healthy, breaker closed)",
             ["role", "worker"], registry=r,
         )
+        self._series: dict[tuple[object, tuple[str, ...]], object] = {}
+
+    def series(self, metric: M, *values: str) -> M:
+        """`metric.labels(*values)`, looked up once. For the series every request touches (by route,
+        status, path, leg, phase): a handful, never removed, and each labels() call takes a lock and
+        builds a tuple of strings. Not for per-worker series, which forget_worker removes."""
+        key = (metric, values)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(*values)
+        return child  # type: ignore[return-value]
 
     def observe_phases(self, phases: dict[str, float]) -> None:
         """One P/D request's phases, so a benchmark can say who owns each millisecond of its TTFT."""
         for phase, seconds in phases.items():
-            self.phase.labels(phase).observe(seconds)
+            self.series(self.phase, phase).observe(seconds)
 
     def follow_token_cost(self, pool: str, per_token: Callable[[], float | None]) -> None:
         """Show a learned per-token cost (0 while unknown), read when /metrics is asked."""

@@ -429,3 +429,15 @@ async def test_event_stream_relays_until_the_client_leaves_and_cleans_up_at_once
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert sent[1]["body"] == b"data: 1\n\n"
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]  # type: ignore[operator]
+
+
+def test_metrics_series_are_looked_up_once_and_counted_as_labels_would() -> None:
+    metrics = RouterMetrics()
+    ok = metrics.series(metrics.requests, "chat", "200")
+    assert metrics.series(metrics.requests, "chat", "200") is ok
+    assert metrics.series(metrics.requests, "chat", "499") is not ok
+    ok.inc()
+    metrics.series(metrics.requests, "chat", "200").inc()
+    text = metrics.exposition().decode()
+    assert 'pdserve_router_requests_total{route="chat",status="200"} 2.0' in text
+    assert 'pdserve_router_requests_total{route="chat",status="499"} 0.0' in text

@@ -162,6 +162,6 @@ class DecodeLegs:
         leg.slot.answered()
         if status == 200:
             call.finished = True
-            self.metrics.leg.labels("decode").observe(time.perf_counter() - leg.t_sent)
+            self.metrics.series(self.metrics.leg, "decode").observe(time.perf_counter() - leg.t_sent)
         return Response(body, status_code=status, media_type="application/json",
                         headers={"X-Request-Id": call.request_id})

@@ -122,7 +122,7 @@ class PDFlow:
         if path == "pd":
             data = await self.prefill_leg.run(call, ctx)
             path, payload, t_prefill_done = await self._after_prefill(call, data)
-        self.metrics.paths.labels(path).inc()
+        self.metrics.series(self.metrics.paths, path).inc()
         return await self._respond(call, await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done))
 
     async def _after_prefill(self, call: Call, data: dict[str, Any] | None) -> tuple[str, bytes, float | None]:
@@ -161,7 +161,7 @@ class PDFlow:
             if decode is not None:
                 drop_leg(decode)
             raise
-        self.metrics.paths.labels(path).inc()
+        self.metrics.series(self.metrics.paths, path).inc()
         return await self._respond(call, leg)
 
     async def _overlapped_leg(self, call: Call, decode: asyncio.Future[DecodeLeg], ctx: RouteContext) -> DecodeLeg:

@@ -160,12 +160,12 @@ class Relay:
             # Closing (not releasing) an unfinished response drops its connection, which aborts the request.
             leg.slot.abandon()
             leg.resp.close()
-            self.metrics.requests.labels(call.route, outcome).inc()
+            self.metrics.series(self.metrics.requests, call.route, outcome).inc()
             self.end(call)
 
     def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float, relay_s: float) -> None:
-        self.metrics.ttft.labels(call.route).observe(now - call.t0)
-        self.metrics.leg.labels("decode").observe(now - leg.t_sent)
+        self.metrics.series(self.metrics.ttft, call.route).observe(now - call.t0)
+        self.metrics.series(self.metrics.leg, "decode").observe(now - leg.t_sent)
         if call.recompute is not None:
             call.recompute.first_token(leg.slot.worker, leg.t_sent, now)
         own = (call.t_first_call or leg.t_sent) - call.t0 + relay_s
