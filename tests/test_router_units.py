@@ -441,3 +441,24 @@ def test_metrics_series_are_looked_up_once_and_counted_as_labels_would() -> None
     text = metrics.exposition().decode()
     assert 'pdserve_router_requests_total{route="chat",status="200"} 2.0' in text
     assert 'pdserve_router_requests_total{route="chat",status="499"} 0.0' in text
+
+
+async def test_client_watch_leaves_no_cycle_for_the_gc() -> None:
+    """Every request has a watch: its remains must go by reference counting, not pile up for the GC."""
+    import gc
+    import weakref
+
+    from pdserve.router.flow.call import ClientWatch
+
+    client = _Client()
+    gc.disable()
+    try:
+        with ClientWatch(client.receive) as watch:
+            watcher = weakref.ref(watch._watcher)  # type: ignore[arg-type]
+            await asyncio.sleep(0)
+        del watch
+        for _ in range(3):  # the watcher's cancel runs, then the loop lets go of it
+            await asyncio.sleep(0)
+        assert watcher() is None
+    finally:
+        gc.enable()

@@ -104,10 +104,13 @@ class ClientWatch:
         return self._alone
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
-        # Stop first: uvicorn's receive reports the end of a response as a disconnect too.
+        # Stop first: uvicorn's receive reports the end of a response as a disconnect too. Let go of the
+        # watcher: the CancelledError it ends with keeps its frames, which refer back to this object, a
+        # cycle (task, traceback, frames, uvicorn's receive state) that only the cyclic GC would free.
         self._active = False
-        if self._watcher is not None:
-            self._watcher.cancel()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
         return exc_type is asyncio.CancelledError and not self._settled and self.gone()
 
 
