@@ -144,8 +144,7 @@ def test_the_client_refuses_bad_urls_and_reports_a_silent_server() -> None:
 
 @pytest.fixture(scope="module")
 def lmcache() -> Iterator[Proc]:
-    if not HAS_LMCACHE:
-        pytest.skip(NO_LMCACHE)
+    """A real `lmcache server` (its tests carry needs_lmcache: `make setup` installs LMCache)."""
     port, http_port = free_port(), free_port()
     proc = start_process(lmcache_server.server_argv(port, http_port, chunk_size=256, l1_size_gb=0.25, max_workers=2),
                          lmcache_server.health_url(http_port), name="lmcache", port=port, env=lmcache_server.ENV,
