@@ -12,6 +12,7 @@
 #   bench-2k         pdserve bench serve --compare, 2k-token prompts, c=1 and 8
 #   bench-8k         the same at 8k-token prompts
 #   bench-connector  pdserve bench connector at 8k and 32k tokens
+#   v4               does this vLLM run a tiny DeepSeek-V4 (fp8_ds_mla), and does the connector save it
 # ENGINE_ARGS are the benchmark engines' extra flags: default none (CUDA graphs, as users run);
 # ENGINE_ARGS=--enforce-eager for the eager figures. At most 8 files come back from $OUT.
 set -uo pipefail
@@ -41,6 +42,7 @@ for s in "$@"; do
     bench-connector)
         step bench-connector "$LIMIT" pdserve bench connector --model /tmp/tiny-deepseek_v3 --lengths 8192 32768 \
             --repeats 3 -- --kv-cache-memory-bytes 8589934592 --max-num-batched-tokens 32832 ;;
+    v4) step v4 300 python3 "$REPO/deploy/gpu_host/v4_check.py" ;;
     *) echo "unknown step $s" >&2; false ;;
     esac || status=1
 done
