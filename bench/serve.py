@@ -30,7 +30,7 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -289,23 +289,25 @@ def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
 async def run_load(cfg: BenchConfig, base_url: str, model: str, prompts: list[str], warmup: list[str],
                    concurrency: int | None, label: str) -> tuple[list[RequestResult], float, dict[str, float]]:
     """Warm up, then send every prompt at the configured rate and concurrency; also the router's own
-    figures over the run (`router_means`) when base_url is a pdserve router."""
+    figures over the run (`router_means`) when base_url is a pdserve router. The warm-up prompts go
+    out together, so the engines have run a batch of this concurrency before the measured run
+    (on the GPU host a first batch of 8 found kernels not yet built for its shapes: 0.6-1 s)."""
     limits = httpx.Limits(max_connections=concurrency or len(prompts), max_keepalive_connections=concurrency or 100)
     async with httpx.AsyncClient(limits=limits, timeout=cfg.request_timeout) as client:
-        for prompt in warmup:
-            result = await send_request(client, cfg, base_url, model, prompt)
+        gate = asyncio.Semaphore(concurrency) if concurrency else None
+
+        async def limited(prompt: str) -> RequestResult:
+            async with gate or nullcontext():
+                return await send_request(client, cfg, base_url, model, prompt)
+
+        for result in await asyncio.gather(*(limited(p) for p in warmup)):
             if not result.success:
                 raise RuntimeError(f"warm-up request to {base_url} failed: {result.error}")
-        gate = asyncio.Semaphore(concurrency) if concurrency else None
         rng = np.random.default_rng(cfg.seed + 1)
         bar = tqdm(total=len(prompts), desc=label, disable=cfg.disable_tqdm, file=sys.stderr, leave=False)
 
         async def one(prompt: str) -> RequestResult:
-            if gate is None:
-                result = await send_request(client, cfg, base_url, model, prompt)
-            else:
-                async with gate:
-                    result = await send_request(client, cfg, base_url, model, prompt)
+            result = await limited(prompt)
             bar.update(1)
             return result
 
@@ -589,6 +591,12 @@ def write_results(cfg: BenchConfig, runs: list[Run], rows: list[dict[str, Any]])
 # ------------------------------------------------------------------ orchestration
 
 
+def warmups(cfg: BenchConfig, concurrency: int | None) -> int:
+    """Unmeasured requests before a level: --num-warmups, and at least one batch of the level's
+    concurrency (0 warm-ups stay 0)."""
+    return max(cfg.num_warmups, concurrency or 1) if cfg.num_warmups else 0
+
+
 async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: PromptSource | None = None,
                          levels: Sequence[int | None] | None = None) -> list[Run]:
     """Each concurrency level against one base URL, with fresh prompts; one Run per level."""
@@ -602,7 +610,8 @@ async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: P
     runs = []
     for conc in cfg.max_concurrency if levels is None else levels:
         results, duration, router = await run_load(cfg, base_url, model, prompts.take(cfg.num_prompts),
-                                                   prompts.take(cfg.num_warmups), conc, f"{label} c={conc or 'inf'}")
+                                                   prompts.take(warmups(cfg, conc)), conc,
+                                                   f"{label} c={conc or 'inf'}")
         metrics = summarize(results, duration, cfg.goodput)
         if router:
             metrics["router"] = router
@@ -738,7 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=_concurrency, nargs="+", default=[None],
                    help="requests in flight at most; several values give one run each (inf: unlimited)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests per second, Poisson (inf: all at once)")
-    p.add_argument("--num-warmups", type=int, default=d["num_warmups"].default, help="unmeasured requests first")
+    p.add_argument("--num-warmups", type=int, default=d["num_warmups"].default, help="unmeasured requests first (at least one batch of each --max-concurrency)")
     p.add_argument("--seed", type=int, default=d["seed"].default)
     p.add_argument("--goodput", type=_slo, nargs="+", default=[], metavar="METRIC:MS",
                    help=f"SLOs for goodput, metrics among {SLO_METRICS}, e.g. ttft:500 tpot:50")

@@ -8,6 +8,7 @@ the JSON fields and a readable PNG.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench import processes
 from pdserve.bench.serve import (FLOOR_LABELS, PHASES, PromptSource, RequestResult, Run, comparison,
                                  config_from_args, floor_and_phase_lines, load_tokenizer, main, router_means,
-                                 router_sums, summarize)
+                                 router_sums, run_load, summarize, warmups)
 from pdserve.router.flow.call import Call
 from pdserve.router.flow.decode_leg import DecodeLeg, pd_phases
 
@@ -178,6 +179,53 @@ def test_the_router_times_each_phase_of_a_pd_request(router_on_stub: str) -> Non
     phases_to_token = sum(sums[f"phase_{p}"][0] for p in PHASES if p != "relay")
     assert phases_to_token == pytest.approx(ttft, abs=1e-6)
     assert sums["phase_prefill_leg"][0] > 0 and sums["phase_decode_first_token"][0] > 0
+
+
+async def _count_in_flight(concurrency: int) -> tuple[list[int], int]:
+    """run_load at `concurrency` (as many warm-ups as measured prompts) against a server that holds
+    each request until `concurrency` are in (bounded); returns the in-flight counts it saw."""
+    seen: list[int] = []
+    in_flight = 0
+    arrived = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal in_flight
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        in_flight += 1
+        seen.append(in_flight)
+        if in_flight >= concurrency:
+            arrived.set()
+        try:
+            await asyncio.wait_for(arrived.wait(), 2.0)
+        except asyncio.TimeoutError:
+            pass
+        in_flight -= 1
+        events = (b'data: {"choices": [{"text": "x"}]}\n\n'
+                  b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\n'
+                  b"data: [DONE]\n\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(events), events))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = config_from_args(["--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", str(concurrency)])
+    async with server:
+        warm = [f"warm {i}" for i in range(warmups(cfg, concurrency))]
+        await run_load(cfg, f"http://127.0.0.1:{port}", "m", [], warm, concurrency, "t")
+    return seen, len(warm)
+
+
+def test_warm_up_runs_a_whole_batch_of_the_level_before_measuring() -> None:
+    """A level's warm-up is one batch of its concurrency sent together (the engines then have run
+    that batch size), never more at once than the level allows."""
+    seen, sent = asyncio.run(_count_in_flight(4))
+    assert sent == 4 and max(seen) == 4, seen
+    seen, sent = asyncio.run(_count_in_flight(1))
+    assert sent == 1 and max(seen) == 1, seen
 
 
 def test_prompts_have_the_exact_token_count_and_never_repeat(tiny_deepseek_v3: Path) -> None:
