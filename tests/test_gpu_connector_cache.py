@@ -203,3 +203,46 @@ def test_a_payload_across_granules_uploads_piece_by_piece() -> None:
     finally:
         pins.release()
         arena.close()
+
+
+def test_a_consumer_pins_its_store_arena_before_its_first_load() -> None:
+    """A worker that loads maps its same-host store's arena and page-locks it from the start
+    (while the engine is still starting), so no request's load pays for the registration."""
+    import time
+
+    from pdserve.kvstore.connector import host_pins
+    from pdserve.kvstore.connector.cache import GroupCache
+    from pdserve.kvstore.connector.worker_side import WorkerIO
+
+    store, ns = _store_with({})
+    io = WorkerIO({"url": store.url, "shm": None}, ns, [GroupCache(_layers([656]))], writes=False, reads=True)
+    try:
+        def registered() -> int:
+            return sum(len(p._granules) for p in host_pins._by_arena.values())
+
+        for _ in range(300):
+            if registered() and io._pin_client is not None:
+                break
+            time.sleep(0.1)
+        arena = io._pin_client.arena if io._pin_client is not None else None
+        assert arena is not None and registered() > 0, "the arena was not pinned before any load"
+    finally:
+        io.close()
+        store.stop()
+
+
+def test_copies_count_their_gpu_time_apart_from_their_wall_time() -> None:
+    """The engine's /metrics carry each copy's GPU time (CUDA events around our own work) beside
+    its wall time, which for a save includes the forward the engine queued before it."""
+    from pdserve.kvstore.connector.cache import GroupCache
+
+    src, dst = GroupCache(_layers([656, 132])), GroupCache(_layers([656, 132]))
+    blocks = [2, 9, 4]
+    _fill(src, blocks, seed=7)
+    torch.cuda._sleep(SPIN_CYCLES // 4)  # engine work queued before the save: wall time, not ours
+    obj = src.gather(blocks)
+    dst.scatter(memoryview(obj.numpy()), blocks, skip=0)
+    saved, loaded = src.take_copy_counts(), dst.take_copy_counts()
+    assert saved["gather_bytes"] == loaded["scatter_bytes"] == obj.numel()
+    assert 0 < saved["gather_gpu_seconds"] < saved["gather_seconds"] / 10, saved
+    assert 0 < loaded["scatter_gpu_seconds"] <= loaded["scatter_seconds"], loaded

@@ -53,7 +53,14 @@ def _copy_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
     dst.index_copy_(0, idx, src)
 
 
-COPY_COUNTERS = ("gather_bytes", "gather_seconds", "scatter_bytes", "scatter_seconds")
+COPY_COUNTERS = ("gather_bytes", "gather_seconds", "gather_gpu_seconds",
+                 "scatter_bytes", "scatter_seconds", "scatter_gpu_seconds")
+
+
+def _timed_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
 
 
 class _Part:
@@ -116,6 +123,7 @@ class GroupCache:
         sizes = [self.object_bytes(len(ids)) for ids in block_lists]
         flat = [b for ids in block_lists for b in ids]
         out = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        began = _timed_event(torch.cuda.current_stream(self.device)) if self.cuda else None
         ids = self._ids(flat)
         offset = pos = 0
         for block_ids in block_lists:
@@ -133,7 +141,10 @@ class GroupCache:
             # On the engine's stream: ordered after this step's KV writes, before any later reuse.
             host = torch.empty(out.numel(), dtype=torch.uint8, pin_memory=True)
             host.copy_(out, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
+            ended = _timed_event(torch.cuda.current_stream(self.device))
+            ended.synchronize()
+            assert began is not None
+            self.copy_counts["gather_gpu_seconds"] += began.elapsed_time(ended) / 1e3
             out = host
         self.copy_counts["gather_bytes"] += out.numel()
         self.copy_counts["gather_seconds"] += time.perf_counter() - start
@@ -176,12 +187,15 @@ class GroupCache:
             with torch.cuda.stream(self._stream):
                 if self._fence is not None:
                     self._stream.wait_event(self._fence)
+                began = _timed_event(self._stream)  # after the fence: the engine's work is not ours
                 # From pinned memory, so the uploads are asynchronous too: only the synchronize
                 # below orders the load.
                 on_gpu = [self._upload(pieces, size) for pieces, size in zip(host, sizes)]
                 self._scatter_all(objects, targets, self._ids(flat), on_gpu)
+                ended = _timed_event(self._stream)
             # Reported received only once the bytes are in the paged cache (and the staging is free).
             self._stream.synchronize()
+            self.copy_counts["scatter_gpu_seconds"] += began.elapsed_time(ended) / 1e3
         self.copy_counts["scatter_bytes"] += sum(sizes)
         self.copy_counts["scatter_seconds"] += time.perf_counter() - start
 

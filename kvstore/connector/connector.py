@@ -150,7 +150,7 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched: SchedulerSide | None = None
         self.io: WorkerIO | None = None
         self._client_args = {"url": url, "auth_token": token, "timeout_s": timeout_s, "shm": shm}
-        self._saves = saves
+        self._saves, self._loads = saves, loads
         if role == KVConnectorRole.SCHEDULER:
             geometries = [GroupGeometry(g.block_size, g.sliding_window) for g in self.layout.groups]
             wait_s = float(ktc.get_from_extra_config("handoff_wait_s", 10.0))
@@ -166,7 +166,7 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         ]
         # MLA KV is the same on every TP rank: rank 0 writes it once, every rank loads it.
         writes = self._saves and (not self.is_mla or _tp_rank() == 0)
-        self.io = WorkerIO(self._client_args, self.namespace, groups, writes)
+        self.io = WorkerIO(self._client_args, self.namespace, groups, writes, reads=self._loads)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -23,8 +23,10 @@ COUNTERS: dict[str, str] = {
     "load_fetch_waits": "times a load waited in the store for a producer's upload to land",
     "gather_bytes": "KV bytes copied out of the paged cache for saves (device to host included)",
     "gather_seconds": "seconds spent copying KV out of the paged cache for saves",
+    "gather_gpu_seconds": "GPU time of those copies (kernels and device-to-host transfer, by CUDA events)",
     "scatter_bytes": "KV bytes copied into the paged cache by loads (host to device included)",
     "scatter_seconds": "seconds spent copying KV into the paged cache for loads",
+    "scatter_gpu_seconds": "GPU time of those copies (host-to-device transfer and kernels, by CUDA events)",
 }
 
 
