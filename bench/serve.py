@@ -613,6 +613,9 @@ async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: P
                                                    prompts.take(warmups(cfg, conc)), conc,
                                                    f"{label} c={conc or 'inf'}")
         metrics = summarize(results, duration, cfg.goodput)
+        # as each run ends, so a run cut short by a time limit still shows what it measured
+        print(f"{label} c={conc or 'inf'}: {metrics['completed']} ok, {metrics['failed']} failed, TTFT p50 "
+              f"{metrics['ttft_ms']['p50']:.1f} ms, TPOT p50 {metrics['tpot_ms']['p50']:.2f} ms", file=sys.stderr, flush=True)
         if router:
             metrics["router"] = router
         runs.append(Run(label, base_url, conc, metrics, results))

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The LMCache backend on the GPU host: its P/D tests and the side-by-side benchmark, unattended.
 #
-# Run on the host (from anywhere: host_env.sh moves to /tmp), after GPU vLLM is installed in /tmp/site and
-# deploy/gpu_host/lmcache_check.sh passed there (same warm host: its wheels are in /tmp/site),
-# with .lmcache-gpu/ carried beside the checkout (the install step merges it again if needed):
+# Run on the host (from anywhere: host_env.sh moves to /tmp), after GPU vLLM is installed in /tmp/site,
+# with .lmcache-gpu/ carried beside the checkout (15 MiB; the install step merges its wheels into
+# /tmp/site; deploy/gpu_host/lmcache_check.sh diagnoses a host where that fails). Build it here with
+#     pip download -d .lmcache-gpu --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 lmcache==0.5.3 opentelemetry-exporter-prometheus==0.61b0 sortedcontainers==2.4.0
+# (0.5.3: its CUDA extension links only symbols torch 2.11.0+cu130 exports; 0.5.6's needs torch >= 2.12):
 #
-#     bash deploy/gpu_host/lmcache_gpu.sh              # install tests bench-2k bench-tail (up to ~13 min)
-#     bash deploy/gpu_host/lmcache_gpu.sh install tests bench-2k    # or some of them (one device call each
-#     bash deploy/gpu_host/lmcache_gpu.sh install bench-tail        # if the whole would pass 9 minutes)
+#     bash deploy/gpu_host/lmcache_gpu.sh install tests     # one device call each (measured on the H200
+#     bash deploy/gpu_host/lmcache_gpu.sh bench-2k          # host: install 61 s, the tests' first model
+#     bash deploy/gpu_host/lmcache_gpu.sh bench-tail        # 116 s; bench-2k did not finish in 270 s)
 #
 # Steps (each bounded by `timeout`, its whole log in $OUT/<step>.log, its tail printed):
 #   install    pdserve and .lmcache-gpu's wheels into /tmp/site (no index, no deps), tiny models
@@ -51,9 +54,9 @@ export -f bench
 run_step() {
     case "$1" in
     install) step install 120 install ;;
-    tests) step tests 220 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_lmcache_pd.py" ;;
-    bench-2k) step bench-2k 270 bench 2047 pdserve lmcache ;;
-    bench-tail) step bench-tail 200 bench 2048 lmcache ;;
+    tests) step tests 420 python3 -m pytest -q -x -p no:cacheprovider "$REPO/tests/test_lmcache_pd.py" ;;
+    bench-2k) step bench-2k 540 bench 2047 pdserve lmcache ;;
+    bench-tail) step bench-tail 360 bench 2048 lmcache ;;
     *) echo "unknown step $1" >&2; return 2 ;;
     esac
 }
