@@ -8,6 +8,8 @@
 #   the bundle's /tmp/site/bin (and --upgrade would replace that folder whole);
 # - the redis client is not in the image and not in vLLM's bundle: prepare the bundle with
 #   EXTRA_DEPS="redis==8.1.0" (or carry its wheel), or nothing that imports the worker loads;
+# - nor is redis-server: `bash deploy/gpu_host/redis_bundle.sh` here, then carry .redis-gpu/ (14 MiB)
+#   with a transfer (beside .lmcache-gpu/ fits one); without it the tests run static workers;
 # - `timeout` runs programs, not shell functions: steps run through `bash -c` with the functions exported.
 
 REPO="${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
@@ -15,6 +17,10 @@ OUT="${OUT:-/tmp/pdserve-gpu}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
 export PATH="/tmp/site/bin:$PATH" REPO OUT
+# redis-server from deploy/gpu_host/redis_bundle.sh, when a transfer carried .redis-gpu/: kept in /tmp
+# (a carried folder is gone from the checkout at the next call that does not carry it), on PATH if it runs
+if [ -d "$REPO/.redis-gpu" ]; then rm -rf /tmp/redis-gpu && cp -a "$REPO/.redis-gpu" /tmp/redis-gpu; fi
+if /tmp/redis-gpu/bin/redis-server --version >/dev/null 2>&1; then export PATH="/tmp/redis-gpu/bin:$PATH"; fi
 cd /tmp || exit 1
 
 # step NAME SECONDS COMMAND...: run COMMAND (a program or an exported function) under a time limit,
