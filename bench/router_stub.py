@@ -62,7 +62,8 @@ class Answers:
                 done = "length" if i == self.tokens - 1 else None
                 events.append(_event({**obj, "choices": [{"index": 0, "text": f" t{i}", "logprobs": None,
                                                           "finish_reason": done}]}))
-        if (body.get("stream_options") or {}).get("include_usage"):
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
             prompt = len(_prompt_ids(body))
             usage = {"prompt_tokens": prompt, "completion_tokens": self.tokens, "total_tokens": prompt + self.tokens}
             events.append(_event({**obj, "choices": [], "usage": usage}))

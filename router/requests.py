@@ -25,6 +25,9 @@ _INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_o
 # Deeper bodies are refused: far deeper than any real request (tool schemas included), and far enough
 # below Python's recursion limit that re-encoding the body or rendering a chat template cannot hit it.
 MAX_NESTING = 128
+# `n` and `best_of` fan one request out into that many sequences in the engine: a bound keeps one
+# request from holding a worker for minutes (vLLM itself takes any n).
+MAX_CHOICES = 128
 _TOO_DEEP = f"request body is nested more than {MAX_NESTING} levels deep"
 
 
@@ -90,6 +93,13 @@ def validate(route: Route, raw: bytes) -> dict[str, Any]:
         value = body.get(name)
         if value is not None and (type(value) is not int or value < 0):
             raise RouterError(400, f"`{name}` must be a non-negative integer", param=name)
+    for name in ("n", "best_of"):
+        if (body.get(name) or 0) > MAX_CHOICES:
+            raise RouterError(400, f"`{name}` must be at most {MAX_CHOICES}", param=name)
+    # The handoff between the legs is the router's: a client's own would make a prefill worker hold
+    # KV for nobody, or a decode worker wait on (or fetch from) a store the client names.
+    if "kv_transfer_params" in body:
+        raise RouterError(400, "`kv_transfer_params` is set by the router, not by clients", param="kv_transfer_params")
     if route == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):

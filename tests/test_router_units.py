@@ -82,6 +82,10 @@ def test_config_rejects_bad_flags(argv: list[str]) -> None:
         ("completions", b'{"prompt": 5}', "prompt"),
         ("completions", b'{"prompt": [1, "a"]}', "prompt"),
         ("completions", b'{"prompt": "x", "n": -1}', "n"),
+        ("completions", b'{"prompt": "x", "n": 100000}', "n"),
+        ("completions", b'{"prompt": "x", "best_of": 129}', "best_of"),
+        ("completions", b'{"prompt": "x", "kv_transfer_params": {"do_remote_decode": true}}', "kv_transfer_params"),
+        ("chat", b'{"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": {}}', "kv_transfer_params"),
     ],
 )
 def test_validate_gives_400_naming_the_field(route: str, raw: bytes, param: str | None) -> None:
