@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -74,6 +76,36 @@ def test_a_load_that_breaks_is_reported_failed_not_lost() -> None:
                 assert torch.equal(view[[3, 4]], view[[1, 2]])
         finally:
             io.close()
+    finally:
+        store.stop()
+
+
+def test_a_loading_worker_maps_its_store_arena_at_start() -> None:
+    """A worker that loads maps its same-host store's arena and faults every page in when it starts
+    (before any load, so the first requests do not pay for it); one that only saves does not."""
+    from kvstore_fixtures import LAYOUT, start_kvstore
+
+    from pdserve.kvstore.client.client import KVStoreClient
+    from pdserve.kvstore.connector.worker_side import WorkerIO
+
+    store = start_kvstore(l1_size_gb=0.25)
+    try:
+        with KVStoreClient(store.url) as client:
+            ns = client.register_layout(LAYOUT)
+        cache = GroupCache(_cache(4608, num_blocks=8))
+        saver = WorkerIO({"url": store.url}, ns, [cache], writes=True)
+        loader = WorkerIO({"url": store.url}, ns, [cache], writes=False, reads=True)
+        try:
+            for _ in range(300):
+                arena = loader._arena_client.arena if loader._arena_client is not None else None
+                if arena is not None and all(arena._mapped):
+                    break
+                time.sleep(0.1)
+            assert arena is not None and all(arena._mapped), "the loader's arena was not mapped at start"
+            assert saver._arena_client is None
+        finally:
+            saver.close()
+            loader.close()
     finally:
         store.stop()
 

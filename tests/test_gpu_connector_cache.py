@@ -221,10 +221,10 @@ def test_a_consumer_pins_its_store_arena_before_its_first_load() -> None:
             return sum(len(p._granules) for p in host_pins._by_arena.values())
 
         for _ in range(300):
-            if registered() and io._pin_client is not None:
+            if registered() and io._arena_client is not None:
                 break
             time.sleep(0.1)
-        arena = io._pin_client.arena if io._pin_client is not None else None
+        arena = io._arena_client.arena if io._arena_client is not None else None
         assert arena is not None and registered() > 0, "the arena was not pinned before any load"
     finally:
         io.close()

@@ -121,28 +121,31 @@ class WorkerIO:
         self._threads = [threading.Thread(target=self._save_loop, name="pdserve-save", daemon=True)] + [
             threading.Thread(target=self._load_loop, name=f"pdserve-load-{i}", daemon=True) for i in range(LOAD_THREADS)
         ]
-        self._pin_client: KVStoreClient | None = None  # keeps our store's arena mapped, so its pins stay
-        if reads and self._cuda:
-            self._threads.append(threading.Thread(target=self._pin_store_arena, name="pdserve-pin-start", daemon=True))
+        self._arena_client: KVStoreClient | None = None  # keeps our store's arena mapped from the start
+        if reads:
+            self._threads.append(threading.Thread(target=self._map_store_arena, name="pdserve-map-arena", daemon=True))
         for t in self._threads:
             t.start()
 
-    def _pin_store_arena(self) -> None:
-        """Map our store's arena and start page-locking it while the engine is still starting, not at
-        the first load: on the H200 host the first loads' copies into the paged cache took 13 ms (2k
-        tokens) and 173 ms (8k) while the arena was being registered, 2.0 ms (2k) once it was."""
+    def _map_store_arena(self) -> None:
+        """Map our same-host store's arena, fault its pages in and, on CUDA, page-lock it while the
+        engine is still starting, not at the first loads: on the H200 host those copied into the
+        paged cache in 13 ms (2k tokens) and 173 ms (8k) while the arena was being registered, 2.0 ms
+        (2k) once it was, and a 32k load's fetch spent most of its 27 ms mapping fresh pages."""
         client = self._client()
         try:
             client.info()
-        except Exception as exc:  # the store may start later: then the first load pins it
-            log.debug("kvstore %s not reachable at start (%s): its arena is pinned on first load", client.url, exc)
+        except Exception as exc:  # the store may start later: then the first load maps it
+            log.debug("kvstore %s not reachable at start (%s): its arena is mapped on first load", client.url, exc)
             client.close()
             return
-        if client.arena is None:
+        if client.arena is None:  # another host's store, or TCP only
             client.close()
             return
-        self._pin_client = client
-        pins_of(client.arena)
+        self._arena_client = client
+        client.arena.populate()
+        if self._cuda:
+            pins_of(client.arena)
 
     def _client(self, url: str | None = None) -> KVStoreClient:
         """A client of our store, or of `url` (a producer's store on another node)."""
@@ -370,5 +373,5 @@ class WorkerIO:
             self._loads.put(None)
         for t in self._threads:
             t.join(timeout=5)
-        if self._pin_client is not None:
-            self._pin_client.close()
+        if self._arena_client is not None:
+            self._arena_client.close()
