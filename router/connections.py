@@ -1,20 +1,31 @@
-"""Client connections that would hold the router's HTTP server without ever finishing a request.
+"""The router's HTTP server connections: those that would hold it without ever finishing a request,
+and writes gathered into one send.
 
 uvicorn times out only idle connections between requests. Two holes are left, and
 closed here (the body's own deadline and size limit are in requests.py):
 - A request head that never completes (a connection that sends nothing, or a head
-  sent a byte at a time) is held for good: `head_deadline_protocol` closes the
+  sent a byte at a time) is held for good: `server_protocol` closes the
   connection when a head takes longer than `--header-timeout`.
 - A request answered before its body was read (a 401, 404, 408 or 413) keeps its
   connection reading the rest of the body, and every byte that comes in resets the
   keep-alive timer: `CloseUnreadBodies` marks such answers `Connection: close`, which
-  makes uvicorn close the connection once the answer is sent.
+  makes uvicorn close the connection once the answer is sent. The completion routes,
+  which bypass the middleware (app.py), mark theirs with `close_after`.
+
+uvicorn writes each ASGI message to the socket as it is sent: a streamed answer's head,
+each chunk and the end are a send() each, and on loopback each wakes the reader again.
+`GatheredWrites` holds what one pass of the event loop writes and sends it together at
+the start of the next pass: a stream whose upstream events arrive together (a short
+answer, a burst of tokens) goes out in one send, and a write waits no longer than the
+callbacks already queued in the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -47,8 +58,65 @@ class CloseUnreadBodies:
         await self.app(scope, tracking_receive, closing_send)
 
 
-def head_deadline_protocol(timeout: float) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol, closing a connection whose request head is not in within `timeout` s.
+def close_after(resp: Response) -> Response:
+    """`resp` marked `Connection: close`: for an answer given before its request's body was read to the end."""
+    resp.raw_headers.append((b"connection", b"close"))
+    return resp
+
+
+class GatheredWrites(asyncio.Transport):
+    """A server transport whose writes of one event-loop pass go out as one send (see the module docstring).
+
+    It stands for the socket's transport towards uvicorn's protocol, which uses only the methods
+    below; closing sends what is held first.
+    """
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._held:
+            self._loop.call_soon(self._send)
+        self._held.append(bytes(data))
+
+    def _send(self) -> None:
+        held, self._held = self._held, []
+        if held and not self._transport.is_closing():
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        self._send()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held = []
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+
+def server_protocol(timeout: float) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol, closing a connection whose request head is not in within `timeout` s,
+    and writing through `GatheredWrites`.
 
     The clock starts when the connection opens and again at a request's first byte
     (a keep-alive connection waits for its next request under uvicorn's own timeout).
@@ -67,7 +135,7 @@ def head_deadline_protocol(timeout: float) -> type[HttpToolsProtocol]:
                 self._deadline = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(GatheredWrites(transport, self.loop))
             self._arm()
 
         def on_message_begin(self) -> None:
