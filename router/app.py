@@ -42,6 +42,7 @@ from pdserve.router.requests import PATHS, RequestHead, Route, read_body, valida
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 from pdserve.router.upstream import new_session
+from pdserve.router.worker_http import WorkerHTTP
 
 __all__ = ["build_parser", "create_app", "main"]
 
@@ -94,9 +95,10 @@ class Router:
         self.queue = QueueEstimate(self.queue_view)
         self.metrics.follow_token_cost("prefill", lambda: self.queue.prefill.per_token)
         self.metrics.follow_token_cost("decode", lambda: self.queue.recompute.per_token)
+        self.legs_http = WorkerHTTP()  # the legs' own client: see worker_http.py
         self.flow = PDFlow(
             self.cfg, self.prefill, self.decode, make_policy(self.cfg.prefill_policy),
-            make_policy(self.cfg.decode_policy), self.http, self.tokens, self.store, self.metrics, self.worker_headers,
+            make_policy(self.cfg.decode_policy), self.legs_http, self.tokens, self.store, self.metrics, self.worker_headers,
             self.queue,
         )
         if self.watcher is not None:
@@ -119,6 +121,7 @@ class Router:
         await self.flow.drain()
         await self.tokens.stop()
         await self.store.close()
+        await self.legs_http.close()
         await self.http.close()
 
     def ready(self) -> bool:

@@ -24,6 +24,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Policy, Pool, RouteContext, WorkerSlot
 from pdserve.router.requests import PATHS
 from pdserve.router.upstream import UPSTREAM_ERRORS, describe
+from pdserve.router.worker_http import WorkerHTTP, WorkerResponse
 
 log = logging.getLogger("pdserve.router.flow")
 
@@ -33,7 +34,7 @@ class DecodeLeg:
     """An open decode response and the bookkeeping a retry or the relay needs."""
 
     slot: WorkerSlot
-    resp: aiohttp.ClientResponse
+    resp: WorkerResponse
     payload: bytes
     ctx: RouteContext
     tried: set[str]
@@ -90,7 +91,7 @@ def drop_leg(task: "asyncio.Future[DecodeLeg]") -> None:
 
 
 class DecodeLegs:
-    def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: aiohttp.ClientSession,
+    def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: WorkerHTTP,
                  headers: dict[str, str], metrics: RouterMetrics) -> None:
         self.pool = pool
         self.policy = policy

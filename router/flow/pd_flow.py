@@ -42,7 +42,6 @@ import time
 import uuid
 from typing import Any, Awaitable
 
-import aiohttp
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
@@ -59,6 +58,7 @@ from pdserve.router.pool import Policy, Pool, RouteContext, Worker
 from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
+from pdserve.router.worker_http import WorkerHTTP
 
 log = logging.getLogger("pdserve.router.flow")
 
@@ -71,7 +71,7 @@ class PDFlow:
         decode: Pool,
         prefill_policy: Policy,
         decode_policy: Policy,
-        http: aiohttp.ClientSession,
+        http: WorkerHTTP,
         tokens: PromptTokens,
         store: StoreView,
         metrics: RouterMetrics,

@@ -30,6 +30,7 @@ from pdserve.router.prefill_estimate import TokenCost
 from pdserve.router.requests import PATHS
 from pdserve.router.store_view import StoreView
 from pdserve.router.upstream import UPSTREAM_ERRORS, describe
+from pdserve.router.worker_http import WorkerHTTP
 
 log = logging.getLogger("pdserve.router.flow")
 
@@ -75,7 +76,7 @@ def decode_payload(call: Call, prefill: dict[str, Any]) -> bytes:
 
 
 class PrefillLeg:
-    def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: aiohttp.ClientSession,
+    def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: WorkerHTTP,
                  headers: dict[str, str], store: StoreView, metrics: RouterMetrics, cost: TokenCost) -> None:
         self.pool = pool
         self.policy = policy
