@@ -20,10 +20,23 @@ import httpx
 from pdserve.deploy.ports import free_port
 
 
+_SCHEDSTAT = os.path.exists("/proc/self/schedstat")  # CONFIG_SCHEDSTATS: nanosecond CPU times per thread
+
+
 def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process has used so far (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time a process's live threads have used so far (Linux /proc). From schedstat, to the
+    nanosecond, where the kernel keeps it: /proc/PID/stat counts clock ticks (10 ms), coarser than a
+    short run of a router that spends ~0.1 ms a request."""
+    if not _SCHEDSTAT:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ns = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            ns += int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0])
+        except FileNotFoundError:  # the thread ended after the listing
+            continue
+    return ns / 1e9
 
 
 @contextmanager
