@@ -123,31 +123,42 @@ def server_protocol(timeout: float) -> type[HttpToolsProtocol]:
     """
 
     class HeadDeadline(HttpToolsProtocol):
-        _deadline: asyncio.TimerHandle | None = None
+        # One timer at a time, checked when it fires rather than moved for every request: a keep-alive
+        # connection serving requests back to back would otherwise set and cancel one per request.
+        _timer: asyncio.TimerHandle | None = None
+        _head_since: float | None = None  # when the request head now coming began (None: none is)
 
-        def _arm(self) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(timeout, self.transport.close)
+        def _head_begins(self) -> None:
+            self._head_since = self.loop.time()
+            if self._timer is None:
+                self._timer = self.loop.call_at(self._head_since + timeout, self._expire)
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+        def _expire(self) -> None:
+            self._timer = None
+            if self._head_since is None:  # in: the next head sets a timer again
+                return
+            due = self._head_since + timeout
+            if self.loop.time() >= due:
+                self.transport.close()
+            else:  # a later head than the one this timer was set for
+                self._timer = self.loop.call_at(due, self._expire)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(GatheredWrites(transport, self.loop))
-            self._arm()
+            self._head_begins()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._arm()
+            self._head_begins()
 
         def on_headers_complete(self) -> None:
-            self._disarm()
+            self._head_since = None
             super().on_headers_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             super().connection_lost(exc)
 
     return HeadDeadline

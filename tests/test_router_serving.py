@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import httpx
 import pytest
+import uvicorn
 
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
-from pdserve.router.connections import GatheredWrites
+from pdserve.router.connections import GatheredWrites, server_protocol
 
 KEY = "sk-serving-test"
 
@@ -114,3 +115,54 @@ async def test_writes_of_one_loop_pass_go_out_together_on_the_next() -> None:
     finally:
         sock.close()
         server.close()
+
+
+async def _ok(_scope: object, _receive: object, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+HEAD_TIMEOUT_S = 0.2
+
+
+@pytest.fixture
+async def deadline_server() -> AsyncIterator[tuple[str, int]]:
+    """uvicorn with the router's server protocol, a short head deadline and a long keep-alive."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(_ok, loop="none", http=server_protocol(HEAD_TIMEOUT_S), lifespan="off",
+                            timeout_keep_alive=60, log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield sock.getsockname()[:2]
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
+    return await reader.read(1) == b""  # EOF: the server closed it
+
+
+async def test_a_request_head_that_does_not_come_in_time_gets_the_connection_closed(deadline_server) -> None:  # type: ignore[no-untyped-def]
+    silent_r, silent_w = await asyncio.open_connection(*deadline_server)  # sends nothing
+    partial_r, partial_w = await asyncio.open_connection(*deadline_server)
+    partial_w.write(b"POST /v1/completions HTTP/1.1\r\nHost: r")  # part of a head, then nothing
+    assert await _closed_by_server(silent_r) and await _closed_by_server(partial_r)
+    silent_w.close()
+    partial_w.close()
+
+
+async def test_a_keep_alive_connection_waits_for_its_next_request_beyond_the_head_deadline(deadline_server) -> None:  # type: ignore[no-untyped-def]
+    reader, writer = await asyncio.open_connection(*deadline_server)
+    request = b"GET / HTTP/1.1\r\nHost: r\r\n\r\n"
+    for _ in range(2):
+        writer.write(request)
+        assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        await asyncio.sleep(3 * HEAD_TIMEOUT_S)  # idle between requests: uvicorn's keep-alive rules, not the deadline
+    writer.write(b"GET / HTTP/1.1\r\n")  # a head begun after the idle time is held to the deadline again
+    assert await _closed_by_server(reader)
+    writer.close()
