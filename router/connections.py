@@ -14,10 +14,10 @@ closed here (the body's own deadline and size limit are in requests.py):
 
 uvicorn writes each ASGI message to the socket as it is sent: a streamed answer's head,
 each chunk and the end are a send() each, and on loopback each wakes the reader again.
-`GatheredWrites` holds what one pass of the event loop writes and sends it together at
-the start of the next pass: a stream whose upstream events arrive together (a short
-answer, a burst of tokens) goes out in one send, and a write waits no longer than the
-callbacks already queued in the loop.
+`GatheredWrites` holds what is written and sends it together when the response is complete
+or else at the start of the event loop's next pass: a stream whose upstream events arrive
+together (a short answer, a burst of tokens) goes out in one send, and a write waits no
+longer than the callbacks already queued in the loop.
 """
 
 from __future__ import annotations
@@ -79,16 +79,17 @@ class GatheredWrites(asyncio.Transport):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not self._held:
-            self._loop.call_soon(self._send)
+            self._loop.call_soon(self.send_held)
         self._held.append(bytes(data))
 
-    def _send(self) -> None:
+    def send_held(self) -> None:
+        """Send what is held now (a response's end: nothing more will come for it)."""
         held, self._held = self._held, []
         if held and not self._transport.is_closing():
             self._transport.write(held[0] if len(held) == 1 else b"".join(held))
 
     def close(self) -> None:
-        self._send()
+        self.send_held()
         self._transport.close()
 
     def abort(self) -> None:
@@ -144,7 +145,8 @@ def server_protocol(timeout: float) -> type[HttpToolsProtocol]:
                 self._timer = self.loop.call_at(due, self._expire)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(GatheredWrites(transport, self.loop))
+            self._gathered = GatheredWrites(transport, self.loop)
+            super().connection_made(self._gathered)
             self._head_begins()
 
         def on_message_begin(self) -> None:
@@ -154,6 +156,10 @@ def server_protocol(timeout: float) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._head_since = None
             super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            self._gathered.send_held()  # at once rather than on the loop's next pass
+            super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._timer is not None:

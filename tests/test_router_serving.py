@@ -105,6 +105,9 @@ async def test_writes_of_one_loop_pass_go_out_together_on_the_next() -> None:
         await asyncio.sleep(0)
         assert _received(sock) == b"head|chunk|end"
         conn.answer()
+        conn.transport.send_held()  # a response's end (the server protocol's on_response_complete): at once
+        assert _received(sock) == b"head|chunk|end"
+        conn.answer()
         conn.transport.close()  # closing sends what is held first
         await asyncio.sleep(0)
         data = b""
