@@ -217,7 +217,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         """ASGI middleware: POSTs to the completion routes go straight to their `Completion` app.
 
         The rest of the stack (CloseUnreadBodies, Starlette's exception middleware, FastAPI's exit
-        stack, route matching) was ~10% of the router's CPU per streamed request under `pdserve bench
+        stack, route matching) was ~8% of the router's CPU per streamed request under `pdserve bench
         router`, for nothing these routes use; they answer their own errors and close a connection
         whose body they did not read themselves. Outside this, only Starlette's ServerErrorMiddleware,
         which turns an unexpected exception into a 500 as for every route. Other methods on those

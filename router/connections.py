@@ -65,10 +65,10 @@ def close_after(resp: Response) -> Response:
 
 
 class GatheredWrites(asyncio.Transport):
-    """A server transport whose writes of one event-loop pass go out as one send (see the module docstring).
+    """A server transport that holds its writes until `send_held` (a response's end), the loop's next
+    pass or a close, and sends them as one (see the module docstring).
 
-    It stands for the socket's transport towards uvicorn's protocol, which uses only the methods
-    below; closing sends what is held first.
+    It stands for the socket's transport towards uvicorn's protocol, which uses only the methods below.
     """
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
