@@ -376,7 +376,8 @@ class WorkerHTTP:
         idle = self._pools.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.lost and now - conn.idle_since < KEEPALIVE_S:
+            usable = conn.transport is not None and not conn.lost and not conn.transport.is_closing()
+            if usable and now - conn.idle_since < KEEPALIVE_S:
                 return conn
             conn.close()
         return None
