@@ -225,6 +225,7 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, base_url: st
 
 _ROUTER_SERIES = {"handoff": "pdserve_router_handoff_seconds", "router_overhead": "pdserve_router_overhead_seconds"}
 _PHASE_SERIES = "pdserve_router_phase_seconds"
+OVERLAP_AT = "overlap_at_"  # router_paths' keys of the overlapped decode legs by when they went out
 # The phases of a P/D request's way to its first token as the router times them (router/flow/decode_leg.py:
 # pd_phases), in the order they happen; together they are the router's TTFT of the request.
 PHASES = {"before_first_call": "router before the first call", "prefill_leg": "prefill leg",
@@ -264,12 +265,19 @@ async def router_totals(client: httpx.AsyncClient, base_url: str) -> dict[str, t
 
 
 def router_paths(base_url: str) -> dict[str, float]:
-    """The router's requests so far by path (pd, pd_overlap, decode_only_<why>)."""
+    """The router's requests so far by path (pd, pd_overlap, decode_only_<why>), and its overlapped ones
+    by when their decode leg went out (`OVERLAP_AT` + start, estimate or answer: router/metrics.py)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    return {s.labels["path"]: s.value for fam in text_string_to_metric_families(text)
-            if fam.name == "pdserve_router_paths" for s in fam.samples if s.name.endswith("_total")}
+    counts = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if fam.name == "pdserve_router_paths" and s.name.endswith("_total"):
+                counts[s.labels["path"]] = s.value
+            elif fam.name == "pdserve_router_overlap_sends" and s.name.endswith("_total"):
+                counts[OVERLAP_AT + s.labels["at"]] = s.value
+    return counts
 
 
 def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
@@ -500,7 +508,10 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
               f"{m['ttft_ms']['p50']:>10.1f}{m['ttft_ms']['p90']:>9.1f}{m['ttft_ms']['p99']:>9.1f}"
               f"{m['tpot_ms']['p50']:>10.2f}{m['itl_ms']['p50']:>9.2f}{m['itl_ms']['p99']:>9.2f}")
         if m.get("paths"):  # the warm-up request counts too
-            print(f"{'':<20}paths: " + ", ".join(f"{k} {v:g}" for k, v in sorted(m["paths"].items())))
+            paths = sorted((k, v) for k, v in m["paths"].items() if not k.startswith(OVERLAP_AT))
+            sends = sorted((k.removeprefix(OVERLAP_AT), v) for k, v in m["paths"].items() if k.startswith(OVERLAP_AT))
+            print(f"{'':<20}paths: " + ", ".join(f"{k} {v:g}" for k, v in paths)
+                  + ("; overlapped decode legs sent at: " + ", ".join(f"{k} {v:g}" for k, v in sends) if sends else ""))
         if "goodput" in m:
             g = m["goodput"]
             print(f"{'':<20}goodput {g['request_throughput']:.2f} req/s ({g['fraction']:.0%} within {g['slo_ms']})")

@@ -25,7 +25,8 @@ class RouterMetrics:
         )
         self.paths = Counter(
             "pdserve_router_paths",
-            "How requests were served: pd (two legs) or decode-only and why",
+            "How requests were served: pd (two legs in sequence), pd_overlap (two legs under one handoff id, "
+            "the decode leg timed to the prefill: see pdserve_router_overlap_sends) or decode-only and why",
             ["path"],
             registry=r,
         )
@@ -56,6 +57,20 @@ class RouterMetrics:
             "before the prefill answered",
             ["phase"],
             buckets=_BUCKETS,
+            registry=r,
+        )
+        self.overlap_sends = Counter(
+            "pdserve_router_overlap_sends",
+            "When the decode legs of overlapped (pd_overlap) requests went out: at=start with the prefill leg "
+            "(no prefill or decode timing learned yet), at=estimate at the prefill's predicted end less the "
+            "decode leg's lead, at=answer after the prefill answered first (then built from its answer, as "
+            "in sequence)",
+            ["at"],
+            registry=r,
+        )
+        self.decode_ingest = Gauge(
+            "pdserve_router_decode_ingest_seconds",
+            "Learned seconds from sending a streamed decode leg to its response headers (0 while unknown)",
             registry=r,
         )
         self.overhead = Histogram(

@@ -21,6 +21,14 @@ The backlog is the router's own in-flight prompt tokens on the worker (exact and
 current between scrapes), less what the worker has served of them since its current
 busy stretch began, plus the requests of others its last queue scrape saw
 (queue_view.py), at the mean prompt length.
+
+The same backlog says when the prompt just placed on a prefill worker should be done,
+which times an overlapped decode leg (`QueueEstimate.overlap_delay`): a leg held in its
+decode engine while the prefill runs is not free there. vLLM's engine keeps stepping for a
+request that waits for its remote KV, and on a CPU host that busy loop (about one core,
+measured on the 2-core VM) slows the very prefill it waits for. So the leg goes out just
+early enough to be in the decode engine when the KV lands: the prefill's predicted end
+less the decode leg's lead (`DecodeIngest`, learned from the decode legs' response headers).
 """
 
 from __future__ import annotations
@@ -37,6 +45,12 @@ from pdserve.router.queue_view import QueueView
 ALPHA = 0.2  # weight of the newest leg: about the last ten legs count
 # Shorter prompts' times are mostly fixed costs (HTTP, scheduling, one step), not per-token work.
 LEARN_MIN_TOKENS = 64
+# How many decode ingest times ahead of the prefill's predicted end an overlapped decode leg goes out.
+# One ingest gets the leg to vLLM's engine; the second covers what follows the headers (the engine
+# taking the request in, the connector starting its watch in the store) and the prefill estimate
+# running short. Sending early costs little (the leg waits that much longer), late costs up to
+# the ingest itself on the first token.
+LEAD_INGESTS = 2.0
 
 
 class TokenCost:
@@ -128,13 +142,30 @@ class Recompute:
         self.estimate._recomputing.discard(self)
 
 
+class DecodeIngest:
+    """Seconds from sending a streamed decode leg to its response headers: an EWMA of the recent legs.
+
+    vLLM sends a stream's headers once it has rendered the prompt and built the request, just before
+    the request enters its engine, so this is how long a decode leg takes to get there. Unary legs
+    teach nothing: their headers come with the whole answer.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else self.seconds + ALPHA * (seconds - self.seconds)
+
+
 class QueueEstimate:
-    """The figures the path planner weighs: a prefill worker's wait and a decode worker's recompute, in seconds."""
+    """The figures the path planner weighs: a prefill worker's wait and a decode worker's recompute, in seconds;
+    and when an overlapped decode leg should go out."""
 
     def __init__(self, view: QueueView | None) -> None:
         self.view = view  # None: no scrapes (queue-aware paths are off), own accounting only
         self.prefill = TokenCost()
         self.recompute = TokenCost(prior=self.prefill)
+        self.decode_ingest = DecodeIngest()
         self._recomputing: weakref.WeakSet[Recompute] = weakref.WeakSet()
 
     def backlog_tokens(self, w: Worker, now: float) -> float:
@@ -155,6 +186,17 @@ class QueueEstimate:
             return None
         now = time.perf_counter() if now is None else now
         return min(self.backlog_tokens(w, now) for w in workers) * per_token
+
+    def overlap_delay(self, w: Worker, now: float | None = None) -> float | None:
+        """Seconds from now until the overlapped decode leg of the prompt just placed on prefill worker `w`
+        should go out (0 or less: at once): when `w` should have served its backlog, that prompt the last of
+        it, less `LEAD_INGESTS` decode ingests. None while either figure is unknown (no prefill leg timed,
+        no streamed decode leg seen): then nothing says how late is still early enough."""
+        per_token, ingest = self.prefill.per_token, self.decode_ingest.seconds
+        if per_token is None or ingest is None:
+            return None
+        now = time.perf_counter() if now is None else now
+        return self.backlog_tokens(w, now) * per_token - LEAD_INGESTS * ingest
 
     def recompute_cost(self, tokens: int, workers: Sequence[Worker]) -> float | None:
         """Seconds for a decode worker to recompute `tokens` behind the recomputes already under way;

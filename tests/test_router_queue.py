@@ -24,6 +24,7 @@ from pdserve.router.flow.paths import PathPlanner
 from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, Worker
+from pdserve.router import prefill_estimate
 from pdserve.router.prefill_estimate import LEARN_MIN_TOKENS, QueueEstimate, TokenCost
 from pdserve.router.queue_view import QueueCounts, QueueSnapshot, QueueView, parse_queue
 from pdserve.router.store_view import StoreView
@@ -355,3 +356,15 @@ async def test_uncounted_prompts_are_estimated_at_the_counted_prompts_bytes_per_
         assert await tokens.ids("completions", {"prompt": [1, 2, 3]}, "http://127.0.0.1:9", body_size=999) == [1, 2, 3]
         assert await tokens.ids("completions", {"prompt": "x"}, "http://127.0.0.1:9", body_size=999) is None
         assert tokens.estimate(1632) == int(1632 / (1632 / 1056 * 1.4))
+
+
+def test_an_overlapped_decode_leg_is_due_at_the_backlogs_end_less_its_lead() -> None:
+    w = _worker("p", inflight_tokens=3000)  # the new prompt's 1000 behind 2000 of others
+    est = _estimate(per_token=0.001)
+    assert est.overlap_delay(w, now=0.0) is None  # no streamed decode leg seen: no lead known
+    est.decode_ingest.observe(0.05)
+    assert est.overlap_delay(w, now=0.0) == pytest.approx(3.0 - prefill_estimate.LEAD_INGESTS * 0.05)
+    est.decode_ingest.observe(0.15)  # the newest ingest moves the average by ALPHA
+    lead = prefill_estimate.LEAD_INGESTS * (0.05 + prefill_estimate.ALPHA * 0.1)
+    assert est.overlap_delay(w, now=0.0) == pytest.approx(3.0 - lead)
+    assert QueueEstimate(None).overlap_delay(w) is None  # no prefill timed: no end to predict

@@ -22,6 +22,7 @@ from pdserve.router.errors import RouterError
 from pdserve.router.flow.call import ERROR_REPLY_WORKERS, Call, UpstreamResponse
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Policy, Pool, RouteContext, WorkerSlot
+from pdserve.router.prefill_estimate import DecodeIngest
 from pdserve.router.requests import PATHS
 from pdserve.router.upstream import UPSTREAM_ERRORS, describe
 from pdserve.router.worker_http import WorkerHTTP, WorkerResponse
@@ -92,12 +93,13 @@ def drop_leg(task: "asyncio.Future[DecodeLeg]") -> None:
 
 class DecodeLegs:
     def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: WorkerHTTP,
-                 headers: dict[str, str], metrics: RouterMetrics) -> None:
+                 headers: dict[str, str], metrics: RouterMetrics, ingest: DecodeIngest) -> None:
         self.pool = pool
         self.policy = policy
         self.http = http
         self.headers = headers
         self.metrics = metrics
+        self.ingest = ingest  # learns how long a streamed leg takes to reach its engine (its headers)
         # A stream may run for long; what must not happen is a silence longer than decode_timeout.
         self.timeout = aiohttp.ClientTimeout(sock_read=cfg.decode_timeout, connect=cfg.connect_timeout)
 
@@ -128,6 +130,8 @@ class DecodeLegs:
                 raise
             else:
                 if resp.status < 500:
+                    if resp.status == 200 and call.stream:
+                        self.ingest.observe(time.perf_counter() - t)
                     return DecodeLeg(slot, resp, payload, ctx, tried, t, t_prefill_done)
                 try:
                     last = UpstreamResponse(resp.status, await resp.read())

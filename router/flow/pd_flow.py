@@ -11,12 +11,20 @@
 call.py holds the request as the flow sees it, and the errors that end it.
 
 With `--pd-overlap` (the default) the decode leg does not wait for the prefill's answer:
-once a prefill worker is chosen whose store is known (from an earlier answer), both legs
-go out together under one handoff id. The decode worker's connector holds the request
-until the producer's upload has landed in that store (see kvstore/connector/handoff.py),
-so the decode leg's ingest and scheduling overlap the prefill. If the prefill fails, or
-wrote to another store than announced, the waiting decode leg is dropped (which aborts
-it) and a new one goes out as in the sequential flow.
+once a prefill worker is chosen whose store is known (from an earlier answer), the legs go
+out under one handoff id. The decode worker's connector holds the request until the
+producer's upload has landed in that store (see kvstore/connector/handoff.py), so the
+decode leg's ingest and scheduling overlap the prefill. It goes out late, though: at the
+prefill's predicted end less the decode leg's lead (prefill_estimate.py's
+`overlap_delay`), because a leg held in vLLM is not free (its engine keeps stepping, a
+core's worth of busy loop on a CPU host, which slowed the concurrent prefill by 1.5-1.8 s
+at 2k tokens on the 2-core VM). Until the router has timed a prefill leg and a streamed
+decode leg it sends the decode leg at once; if the prefill answers before the leg is due,
+the leg is built from the answer, as in sequence. Whatever ends the request before the
+leg went out (client gone, prefill failed) finds no leg to drop. If the prefill fails, or
+wrote to another store than announced, a waiting decode leg is dropped (which aborts it)
+and a new one goes out as in the sequential flow. `pdserve_router_overlap_sends` counts
+which of these moments each overlapped request's decode leg went out at.
 
 Once the prefill has answered, the producer is watched until the decode leg's first token
 (producer_watch.py): a producer that died before its upload landed would leave that leg
@@ -83,10 +91,12 @@ class PDFlow:
         self.decode = decode
         self.store = store
         self.metrics = metrics
+        self.queue = queue
         self.lmcache = LMCacheView()
         self.paths = PathPlanner(cfg, prefill, decode, tokens, store, self.lmcache, queue)
         self.prefill_leg = PrefillLeg(cfg, prefill, prefill_policy, http, headers, store, metrics, queue.prefill)
-        self.decode_legs = DecodeLegs(cfg, decode, decode_policy, http, headers, metrics)
+        self.decode_legs = DecodeLegs(cfg, decode, decode_policy, http, headers, metrics, queue.decode_ingest)
+        metrics.decode_ingest.set_function(lambda: queue.decode_ingest.seconds or 0.0)
         self.relay = Relay(self.decode_legs, metrics, self._end)
         self._background: set[asyncio.Task] = set()
 
@@ -136,7 +146,8 @@ class PDFlow:
         return "pd", decode_payload(call, data), t_prefill_done
 
     async def _serve_overlapped(self, call: Call, ctx: RouteContext) -> Response:
-        """Both legs at once, when the chosen prefill worker's store is known; else in sequence."""
+        """The legs under one handoff id, when the chosen prefill worker's store is known; else in sequence.
+        The decode leg goes out when it is due (`_until_due`) or, if the prefill answers first, from the answer."""
         handoff = uuid.uuid4().hex
         chosen: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
         prefill = asyncio.ensure_future(self.prefill_leg.run(call, ctx, handoff, chosen))
@@ -145,16 +156,23 @@ class PDFlow:
             await asyncio.wait((prefill, chosen), return_when=asyncio.FIRST_COMPLETED)
             store = chosen.result().produces_to if chosen.done() else None
             if store is not None:
-                payload = msgspec.json.encode({**call.body, "kv_transfer_params": overlap_params(handoff, store, self.cfg.prefill_timeout)})
-                decode = asyncio.ensure_future(self.decode_legs.open(call, payload, ctx, set(), None))
+                at = await self._until_due(call, chosen.result(), prefill)
+                if not prefill.done():
+                    payload = msgspec.json.encode({**call.body, "kv_transfer_params": overlap_params(handoff, store, self.cfg.prefill_timeout)})
+                    decode = asyncio.ensure_future(self.decode_legs.open(call, payload, ctx, set(), None))
+                    self.metrics.series(self.metrics.overlap_sends, at).inc()
             data = await prefill
             params = (data or {}).get("kv_transfer_params") or {}
-            if decode is not None and data is not None and (params.get("kvstore_url"), params.get("kvstore_id")) == store:
+            landed = store is not None and data is not None and (params.get("kvstore_url"), params.get("kvstore_id")) == store
+            if decode is not None and landed:
                 path, leg = "pd_overlap", await self._overlapped_leg(call, decode, ctx)
-            else:  # no overlap after all: the prefill failed or wrote elsewhere
+            else:  # the prefill answered before its decode leg was due, failed, or wrote elsewhere
                 if decode is not None:
                     drop_leg(decode)
                 path, payload, t_prefill_done = await self._after_prefill(call, data)
+                if decode is None and landed:
+                    path = "pd_overlap"
+                    self.metrics.series(self.metrics.overlap_sends, "answer").inc()
                 leg = await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done)
         except BaseException:
             prefill.cancel()
@@ -163,6 +181,17 @@ class PDFlow:
             raise
         self.metrics.series(self.metrics.paths, path).inc()
         return await self._respond(call, leg)
+
+    async def _until_due(self, call: Call, producer: Worker, prefill: "asyncio.Future[Any]") -> str:
+        """Wait until the overlapped decode leg is due or the prefill has ended, whichever is first; the
+        moment's label in pdserve_router_overlap_sends ("start": no timing to go by, so at once)."""
+        delay = self.queue.overlap_delay(producer)
+        if delay is None:
+            return "start"
+        log.debug("request %s: decode leg due in %.3f s", call.request_id, delay)
+        if delay > 0:
+            await asyncio.wait((prefill,), timeout=delay)
+        return "estimate"
 
     async def _overlapped_leg(self, call: Call, decode: asyncio.Future[DecodeLeg], ctx: RouteContext) -> DecodeLeg:
         """The overlapped decode leg once its prefill has answered, its producer watched until the leg's
