@@ -63,7 +63,7 @@ class RouterMetrics:
             "pdserve_router_overlap_sends",
             "When the decode legs of overlapped (pd_overlap) requests went out: at=start with the prefill leg "
             "(no prefill or decode timing learned yet), at=estimate at the prefill's predicted end less the "
-            "decode leg's lead, at=answer after the prefill answered first (then built from its answer, as "
+            "decode leg's ingest, at=answer after the prefill answered first (then built from its answer, as "
             "in sequence)",
             ["at"],
             registry=r,

@@ -28,7 +28,7 @@ decode engine while the prefill runs is not free there. vLLM's engine keeps step
 request that waits for its remote KV, and on a CPU host that busy loop (about one core,
 measured on the 2-core VM) slows the very prefill it waits for. So the leg goes out just
 early enough to be in the decode engine when the KV lands: the prefill's predicted end
-less the decode leg's lead (`DecodeIngest`, learned from the decode legs' response headers).
+less the decode leg's ingest (`DecodeIngest`, learned from the decode legs' response headers).
 """
 
 from __future__ import annotations
@@ -45,12 +45,6 @@ from pdserve.router.queue_view import QueueView
 ALPHA = 0.2  # weight of the newest leg: about the last ten legs count
 # Shorter prompts' times are mostly fixed costs (HTTP, scheduling, one step), not per-token work.
 LEARN_MIN_TOKENS = 64
-# How many decode ingest times ahead of the prefill's predicted end an overlapped decode leg goes out.
-# One ingest gets the leg to vLLM's engine; the second covers what follows the headers (the engine
-# taking the request in, the connector starting its watch in the store) and the prefill estimate
-# running short. Sending early costs little (the leg waits that much longer), late costs up to
-# the ingest itself on the first token.
-LEAD_INGESTS = 2.0
 
 
 class TokenCost:
@@ -190,13 +184,20 @@ class QueueEstimate:
     def overlap_delay(self, w: Worker, now: float | None = None) -> float | None:
         """Seconds from now until the overlapped decode leg of the prompt just placed on prefill worker `w`
         should go out (0 or less: at once): when `w` should have served its backlog, that prompt the last of
-        it, less `LEAD_INGESTS` decode ingests. None while either figure is unknown (no prefill leg timed,
-        no streamed decode leg seen): then nothing says how late is still early enough."""
+        it, less one decode ingest, so the leg reaches its engine as the prefill ends. None while either
+        figure is unknown (no prefill leg timed, no streamed decode leg seen): then nothing says how late
+        is still early enough.
+
+        Aimed at the predicted end, not ahead of it, because the two errors cost alike: each ms a leg
+        waits in its engine slowed the prefill by about 0.5 ms on the 2-core VM (the overlapped legs of
+        `bench serve --compare` before this timing: held 3.8-5.1 s, prefill 1.8-2.8 s slower), and a
+        leg that comes late costs at most its own ingest, or, once the prefill has answered first, the
+        sequential flow's decode leg (tens of ms over a held leg's)."""
         per_token, ingest = self.prefill.per_token, self.decode_ingest.seconds
         if per_token is None or ingest is None:
             return None
         now = time.perf_counter() if now is None else now
-        return self.backlog_tokens(w, now) * per_token - LEAD_INGESTS * ingest
+        return self.backlog_tokens(w, now) * per_token - ingest
 
     def recompute_cost(self, tokens: int, workers: Sequence[Worker]) -> float | None:
         """Seconds for a decode worker to recompute `tokens` behind the recomputes already under way;

@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore_fixtures import KVStoreProc, start_kvstore
 from pdserve.kvstore.connector.handoff import HANDOFF_KEY
-from pdserve.router import prefill_estimate
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 
@@ -174,7 +173,7 @@ async def _due_after(r: Routed, words: int) -> float:
     should send its decode leg, by the router's own figures."""
     per_token = await r.metric("pdserve_router_token_seconds", pool="prefill")
     ingest = await r.metric("pdserve_router_decode_ingest_seconds")
-    return words * per_token - prefill_estimate.LEAD_INGESTS * ingest
+    return words * per_token - ingest
 
 
 async def test_the_decode_leg_goes_out_at_the_prefills_predicted_end_not_before(routed: Routed) -> None:

@@ -363,8 +363,7 @@ def test_an_overlapped_decode_leg_is_due_at_the_backlogs_end_less_its_lead() -> 
     est = _estimate(per_token=0.001)
     assert est.overlap_delay(w, now=0.0) is None  # no streamed decode leg seen: no lead known
     est.decode_ingest.observe(0.05)
-    assert est.overlap_delay(w, now=0.0) == pytest.approx(3.0 - prefill_estimate.LEAD_INGESTS * 0.05)
+    assert est.overlap_delay(w, now=0.0) == pytest.approx(3.0 - 0.05)
     est.decode_ingest.observe(0.15)  # the newest ingest moves the average by ALPHA
-    lead = prefill_estimate.LEAD_INGESTS * (0.05 + prefill_estimate.ALPHA * 0.1)
-    assert est.overlap_delay(w, now=0.0) == pytest.approx(3.0 - lead)
+    assert est.overlap_delay(w, now=0.0) == pytest.approx(3.0 - (0.05 + prefill_estimate.ALPHA * 0.1))
     assert QueueEstimate(None).overlap_delay(w) is None  # no prefill timed: no end to predict

@@ -15,7 +15,7 @@ once a prefill worker is chosen whose store is known (from an earlier answer), t
 out under one handoff id. The decode worker's connector holds the request until the
 producer's upload has landed in that store (see kvstore/connector/handoff.py), so the
 decode leg's ingest and scheduling overlap the prefill. It goes out late, though: at the
-prefill's predicted end less the decode leg's lead (prefill_estimate.py's
+prefill's predicted end less the decode leg's ingest (prefill_estimate.py's
 `overlap_delay`), because a leg held in vLLM is not free (its engine keeps stepping, a
 core's worth of busy loop on a CPU host, which slowed the concurrent prefill by 1.5-1.8 s
 at 2k tokens on the 2-core VM). Until the router has timed a prefill leg and a streamed
