@@ -264,12 +264,11 @@ async def router_totals(client: httpx.AsyncClient, base_url: str) -> dict[str, t
     return router_sums(resp.text)
 
 
-def router_paths(base_url: str) -> dict[str, float]:
-    """The router's requests so far by path (pd, pd_overlap, decode_only_<why>), and its overlapped ones
-    by when their decode leg went out (`OVERLAP_AT` + start, estimate or answer: router/metrics.py)."""
+def path_counts(text: str) -> dict[str, float]:
+    """A router's requests by path (pd, pd_overlap, decode_only_<why>) in a /metrics page, and its overlapped
+    ones by when their decode leg went out (`OVERLAP_AT` + start, estimate or answer: router/metrics.py)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
     counts = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -278,6 +277,11 @@ def router_paths(base_url: str) -> dict[str, float]:
             elif fam.name == "pdserve_router_overlap_sends" and s.name.endswith("_total"):
                 counts[OVERLAP_AT + s.labels["at"]] = s.value
     return counts
+
+
+def router_paths(base_url: str) -> dict[str, float]:
+    """`path_counts` of base_url's /metrics now."""
+    return path_counts(httpx.get(f"{base_url}/metrics", timeout=30).text)
 
 
 def router_means(before: dict | None, after: dict | None) -> dict[str, float]:

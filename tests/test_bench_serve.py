@@ -20,11 +20,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench import processes
-from pdserve.bench.serve import (FLOOR_LABELS, PHASES, PromptSource, RequestResult, Run, comparison,
-                                 config_from_args, floor_and_phase_lines, load_tokenizer, main, router_means,
-                                 router_sums, run_load, summarize, warmups)
+from pdserve.bench.serve import (FLOOR_LABELS, OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, comparison,
+                                 config_from_args, floor_and_phase_lines, load_tokenizer, main, path_counts,
+                                 print_summary, router_means, router_sums, run_load, summarize, warmups)
 from pdserve.router.flow.call import Call
 from pdserve.router.flow.decode_leg import DecodeLeg, pd_phases
+from pdserve.router.metrics import RouterMetrics
 
 if TYPE_CHECKING:
     from pdstack_fixtures import UpStack
@@ -95,6 +96,21 @@ pdserve_router_phase_seconds_sum{phase="relay"} 0.004
 # TYPE pdserve_router_ttft_seconds histogram
 pdserve_router_ttft_seconds_sum{route="completions"} 7.0
 """
+
+
+def test_path_counts_read_a_routers_paths_and_when_its_overlapped_decode_legs_went_out(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    metrics = RouterMetrics()  # the router's own series, so a renamed one fails here
+    metrics.paths.labels("pd").inc()
+    metrics.paths.labels("pd_overlap").inc(5)
+    metrics.overlap_sends.labels("estimate").inc(3)
+    metrics.overlap_sends.labels("answer").inc(2)
+    counts = path_counts(metrics.exposition().decode())
+    assert counts == {"pd": 1, "pd_overlap": 5, OVERLAP_AT + "estimate": 3, OVERLAP_AT + "answer": 2}
+    runs = [Run("pd", "http://r", 1, {**summarize([_result(0.1, 0.5, 5)], 1.0, {}), "paths": counts})]
+    print_summary(runs, [])
+    assert "paths: pd 1, pd_overlap 5; overlapped decode legs sent at: answer 2, estimate 3" in capsys.readouterr().out
 
 
 def test_router_sums_reads_each_phase_by_its_label() -> None:
