@@ -68,9 +68,12 @@ class RouterMetrics:
             ["at"],
             registry=r,
         )
-        self.decode_ingest = Gauge(
-            "pdserve_router_decode_ingest_seconds",
-            "Learned seconds from sending a streamed decode leg to its response headers (0 while unknown)",
+        self.overlap_timing = Gauge(
+            "pdserve_router_overlap_timing_seconds",
+            "The figures that time an overlapped decode leg, medians of the recent legs (0 while unknown): "
+            "figure=prefill_per_token, a prefill leg's seconds per prompt token; figure=decode_ingest, a "
+            "streamed decode leg's seconds from its send to its response headers",
+            ["figure"],
             registry=r,
         )
         self.overhead = Histogram(

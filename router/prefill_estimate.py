@@ -28,13 +28,18 @@ decode engine while the prefill runs is not free there. vLLM's engine keeps step
 request that waits for its remote KV, and on a CPU host that busy loop (about one core,
 measured on the 2-core VM) slows the very prefill it waits for. So the leg goes out just
 early enough to be in the decode engine when the KV lands: the prefill's predicted end
-less the decode leg's ingest (`DecodeIngest`, learned from the decode legs' response headers).
+less the decode leg's ingest (learned from the decode legs' response headers). Timing one leg
+takes the median of the last few legs (`RecentMedian`), not the EWMA above: on a loaded
+machine one prefill of 5.6 s among ones of 1.9-2.0 s kept the EWMA's prediction 0.2-1.9 s
+late for the next ten legs (measured here), and a late leg loses what overlapping gains.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -45,6 +50,22 @@ from pdserve.router.queue_view import QueueView
 ALPHA = 0.2  # weight of the newest leg: about the last ten legs count
 # Shorter prompts' times are mostly fixed costs (HTTP, scheduling, one step), not per-token work.
 LEARN_MIN_TOKENS = 64
+# Legs a RecentMedian keeps: two slow ones of five do not move it, a lasting change shows in three.
+RECENT_LEGS = 5
+
+
+class RecentMedian:
+    """The median of the last RECENT_LEGS samples (None before the first)."""
+
+    def __init__(self) -> None:
+        self._samples: deque[float] = deque(maxlen=RECENT_LEGS)
+
+    def observe(self, value: float) -> None:
+        self._samples.append(value)
+
+    @property
+    def value(self) -> float | None:
+        return statistics.median(self._samples) if self._samples else None
 
 
 class TokenCost:
@@ -55,6 +76,7 @@ class TokenCost:
         self.samples = 0
         self._seconds = 0.0  # EWMA of a leg's service seconds
         self._tokens = 0.0  # EWMA of a leg's prompt tokens (so _seconds / _tokens is per token)
+        self.recent = RecentMedian()  # the last legs' seconds per token, for timing one leg
         self._last_end: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
         self._open: weakref.WeakKeyDictionary[Worker, list[int]] = weakref.WeakKeyDictionary()  # open legs' tokens
         self._busy_since: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
@@ -77,6 +99,7 @@ class TokenCost:
         if not learn or tokens < LEARN_MIN_TOKENS:
             return
         service = max(0.0, t_end - max(t_sent, last))
+        self.recent.observe(service / tokens)
         if self.samples == 0:
             self._seconds, self._tokens = service, float(tokens)
         else:
@@ -136,21 +159,6 @@ class Recompute:
         self.estimate._recomputing.discard(self)
 
 
-class DecodeIngest:
-    """Seconds from sending a streamed decode leg to its response headers: an EWMA of the recent legs.
-
-    vLLM sends a stream's headers once it has rendered the prompt and built the request, just before
-    the request enters its engine, so this is how long a decode leg takes to get there. Unary legs
-    teach nothing: their headers come with the whole answer.
-    """
-
-    def __init__(self) -> None:
-        self.seconds: float | None = None
-
-    def observe(self, seconds: float) -> None:
-        self.seconds = seconds if self.seconds is None else self.seconds + ALPHA * (seconds - self.seconds)
-
-
 class QueueEstimate:
     """The figures the path planner weighs: a prefill worker's wait and a decode worker's recompute, in seconds;
     and when an overlapped decode leg should go out."""
@@ -159,7 +167,11 @@ class QueueEstimate:
         self.view = view  # None: no scrapes (queue-aware paths are off), own accounting only
         self.prefill = TokenCost()
         self.recompute = TokenCost(prior=self.prefill)
-        self.decode_ingest = DecodeIngest()
+        # Seconds from sending a streamed decode leg to its response headers. vLLM sends a stream's
+        # headers once it has rendered the prompt and built the request, just before the request enters
+        # its engine, so this is how long a decode leg takes to get there. Unary legs teach nothing:
+        # their headers come with the whole answer.
+        self.decode_ingest = RecentMedian()
         self._recomputing: weakref.WeakSet[Recompute] = weakref.WeakSet()
 
     def backlog_tokens(self, w: Worker, now: float) -> float:
@@ -184,16 +196,16 @@ class QueueEstimate:
     def overlap_delay(self, w: Worker, now: float | None = None) -> float | None:
         """Seconds from now until the overlapped decode leg of the prompt just placed on prefill worker `w`
         should go out (0 or less: at once): when `w` should have served its backlog, that prompt the last of
-        it, less one decode ingest, so the leg reaches its engine as the prefill ends. None while either
-        figure is unknown (no prefill leg timed, no streamed decode leg seen): then nothing says how late
-        is still early enough.
+        it, less one decode ingest, so the leg reaches its engine as the prefill ends (both the recent legs'
+        medians). None while either figure is unknown (no prefill leg timed, no streamed decode leg seen):
+        then nothing says how late is still early enough.
 
         Aimed at the predicted end, not ahead of it, because the two errors cost alike: each ms a leg
         waits in its engine slowed the prefill by about 0.5 ms on the 2-core VM (the overlapped legs of
         `bench serve --compare` before this timing: held 3.8-5.1 s, prefill 1.8-2.8 s slower), and a
         leg that comes late costs at most its own ingest, or, once the prefill has answered first, the
         sequential flow's decode leg (tens of ms over a held leg's)."""
-        per_token, ingest = self.prefill.per_token, self.decode_ingest.seconds
+        per_token, ingest = self.prefill.recent.value, self.decode_ingest.value
         if per_token is None or ingest is None:
             return None
         now = time.perf_counter() if now is None else now

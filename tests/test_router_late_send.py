@@ -29,6 +29,7 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 
 TEACHING_HOLD_S = 0.2  # how long the first prefill leg takes: the speed the router learns
+TIMING = "pdserve_router_overlap_timing_seconds"
 
 
 @dataclass
@@ -149,8 +150,8 @@ async def routed(store: KVStoreProc) -> AsyncIterator[Routed]:
                 assert _text(await r.complete(100)) == "d"
                 stubs.hold_s = 0.0
                 assert await r.metric("pdserve_router_paths_total", path="pd") == 1  # no store known yet
-                assert await r.metric("pdserve_router_token_seconds", pool="prefill") > 0
-                assert await r.metric("pdserve_router_decode_ingest_seconds") > 0
+                assert await r.metric(TIMING, figure="prefill_per_token") > 0
+                assert await r.metric(TIMING, figure="decode_ingest") > 0
                 stubs.prefill_legs.clear()
                 stubs.decode_legs.clear()
                 stubs.prefill_answered = 0
@@ -171,8 +172,8 @@ async def _until(cond: Callable[[], bool]) -> None:
 async def _due_after(r: Routed, words: int) -> float:
     """Seconds after a prefill leg of `words` tokens is placed (on an idle worker) that the router
     should send its decode leg, by the router's own figures."""
-    per_token = await r.metric("pdserve_router_token_seconds", pool="prefill")
-    ingest = await r.metric("pdserve_router_decode_ingest_seconds")
+    per_token = await r.metric(TIMING, figure="prefill_per_token")
+    ingest = await r.metric(TIMING, figure="decode_ingest")
     return words * per_token - ingest
 
 

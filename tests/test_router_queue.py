@@ -358,12 +358,28 @@ async def test_uncounted_prompts_are_estimated_at_the_counted_prompts_bytes_per_
         assert tokens.estimate(1632) == int(1632 / (1632 / 1056 * 1.4))
 
 
-def test_an_overlapped_decode_leg_is_due_at_the_backlogs_end_less_its_lead() -> None:
+def test_an_overlapped_decode_leg_is_due_at_the_backlogs_end_less_its_ingest() -> None:
     w = _worker("p", inflight_tokens=3000)  # the new prompt's 1000 behind 2000 of others
     est = _estimate(per_token=0.001)
-    assert est.overlap_delay(w, now=0.0) is None  # no streamed decode leg seen: no lead known
+    assert est.overlap_delay(w, now=0.0) is None  # no streamed decode leg seen: no ingest known
     est.decode_ingest.observe(0.05)
     assert est.overlap_delay(w, now=0.0) == pytest.approx(3.0 - 0.05)
-    est.decode_ingest.observe(0.15)  # the newest ingest moves the average by ALPHA
-    assert est.overlap_delay(w, now=0.0) == pytest.approx(3.0 - (0.05 + prefill_estimate.ALPHA * 0.1))
     assert QueueEstimate(None).overlap_delay(w) is None  # no prefill timed: no end to predict
+
+
+def test_one_slow_leg_does_not_move_the_timing_of_the_next() -> None:
+    """The EWMA the queue-aware paths weigh moves by a fifth of a 5x slower leg; the median that times
+    an overlapped decode leg stays at the other legs' speed until slow legs are the majority."""
+    w, est = _worker("p", inflight_tokens=1000), _estimate(per_token=0.001)
+    est.decode_ingest.observe(0.01)
+    for t in range(2):
+        est.prefill.observe(w, 1000, 10.0 * t, 10.0 * t + 1.0)
+    est.prefill.observe(w, 1000, 30.0, 35.0)  # one prefill five times slower (a loaded machine)
+    assert est.prefill.per_token == pytest.approx(0.001 + prefill_estimate.ALPHA * 0.004)
+    assert est.overlap_delay(w, now=40.0) == pytest.approx(1.0 - 0.01)
+    for t in range(2):  # slower for good: three of the last five
+        est.prefill.observe(w, 1000, 50.0 + 10 * t, 55.0 + 10 * t)
+    assert est.prefill.recent.value == pytest.approx(0.005)
+    est.decode_ingest.observe(0.5)
+    est.decode_ingest.observe(0.02)
+    assert est.decode_ingest.value == pytest.approx(0.02)  # median of 0.01, 0.5, 0.02

@@ -22,7 +22,7 @@ from pdserve.router.errors import RouterError
 from pdserve.router.flow.call import ERROR_REPLY_WORKERS, Call, UpstreamResponse
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Policy, Pool, RouteContext, WorkerSlot
-from pdserve.router.prefill_estimate import DecodeIngest
+from pdserve.router.prefill_estimate import RecentMedian
 from pdserve.router.requests import PATHS
 from pdserve.router.upstream import UPSTREAM_ERRORS, describe
 from pdserve.router.worker_http import WorkerHTTP, WorkerResponse
@@ -93,7 +93,7 @@ def drop_leg(task: "asyncio.Future[DecodeLeg]") -> None:
 
 class DecodeLegs:
     def __init__(self, cfg: RouterConfig, pool: Pool, policy: Policy, http: WorkerHTTP,
-                 headers: dict[str, str], metrics: RouterMetrics, ingest: DecodeIngest) -> None:
+                 headers: dict[str, str], metrics: RouterMetrics, ingest: RecentMedian) -> None:
         self.pool = pool
         self.policy = policy
         self.http = http

@@ -96,7 +96,8 @@ class PDFlow:
         self.paths = PathPlanner(cfg, prefill, decode, tokens, store, self.lmcache, queue)
         self.prefill_leg = PrefillLeg(cfg, prefill, prefill_policy, http, headers, store, metrics, queue.prefill)
         self.decode_legs = DecodeLegs(cfg, decode, decode_policy, http, headers, metrics, queue.decode_ingest)
-        metrics.decode_ingest.set_function(lambda: queue.decode_ingest.seconds or 0.0)
+        metrics.overlap_timing.labels("prefill_per_token").set_function(lambda: queue.prefill.recent.value or 0.0)
+        metrics.overlap_timing.labels("decode_ingest").set_function(lambda: queue.decode_ingest.value or 0.0)
         self.relay = Relay(self.decode_legs, metrics, self._end)
         self._background: set[asyncio.Task] = set()
 
