@@ -17,7 +17,7 @@ producer's upload has landed in that store (see kvstore/connector/handoff.py), s
 decode leg's ingest and scheduling overlap the prefill. It goes out late, though: at the
 prefill's predicted end less the decode leg's ingest (prefill_estimate.py's
 `overlap_delay`), because a leg held in vLLM is not free (its engine keeps stepping, a
-core's worth of busy loop on a CPU host, which slowed the concurrent prefill by 1.5-1.8 s
+core's worth of busy loop on a CPU host, which slowed the concurrent prefill by 1.8-2.8 s
 at 2k tokens on the 2-core VM). Until the router has timed a prefill leg and a streamed
 decode leg it sends the decode leg at once; if the prefill answers before the leg is due,
 the leg is built from the answer, as in sequence. Whatever ends the request before the
