@@ -164,7 +164,9 @@ def test_registers_with_role_url_model_and_ttl(worker: Worker) -> None:
 def test_sigterm_deregisters_then_finishes_in_flight_request_and_leaves_nothing(worker: Worker) -> None:
     """One long request: its load shows in Redis; SIGTERM removes the key while it still
     streams, the request still completes in full, and the worker exits 0 with vLLM gone."""
-    max_tokens = 400
+    # Long enough to outlast, on a loaded 2-core machine, the wait for the load heartbeat and the
+    # deregistration: with 400 tokens a full-suite run once saw the stream end 0.24 s before the key went.
+    max_tokens = 1500
     first_token, out = threading.Event(), {}
     client = threading.Thread(target=_long_completion, args=(worker, max_tokens, first_token, out), daemon=True)
     client.start()
