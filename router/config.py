@@ -32,6 +32,9 @@ class RouterConfig:
     pd_min_prompt_tokens: int = 256
     pd_max_cached_fraction: float = 0.5  # prompts this much in the store already skip the prefill leg
     pd_overlap: bool = True  # send the decode leg with the prefill leg (it waits in the store for the KV)
+    # when an overlapped decode leg goes out: "estimate" (at the prefill's predicted end less the decode
+    # ingest, once both are measured), or "start" (with the prefill leg, where a held leg costs nothing)
+    pd_overlap_send: Literal["estimate", "start"] = "estimate"
     pd_queue_aware: bool = True  # decode-only when the prefill queue would delay a prompt more than recomputing it
     pd_queue_poll_interval: float = 0.5  # seconds between scrapes of each worker's /metrics (its queue)
     api_key: str | None = None
@@ -94,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd-overlap", action=argparse.BooleanOptionalAction, default=d["pd_overlap"].default,
                    help="send the decode leg at the same time as the prefill leg (its KV load waits in the "
                         "store for the prefill's upload); --no-pd-overlap sends it after the prefill answers")
+    p.add_argument("--pd-overlap-send", choices=("estimate", "start"), default=d["pd_overlap_send"].default,
+                   help="when an overlapped decode leg goes out: at the prefill's predicted end less the decode "
+                        "engine's ingest (estimate; a held leg keeps vLLM's CPU engines stepping), or with the "
+                        "prefill leg (start)")
     p.add_argument("--pd-queue-aware", action=argparse.BooleanOptionalAction, default=d["pd_queue_aware"].default,
                    help="send a prompt decode-only when the prefill workers' queue would delay it more than "
                         "recomputing it on a decode worker costs (both measured from finished requests)")
@@ -143,6 +150,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             pd_min_prompt_tokens=a.pd_min_prompt_tokens,
             pd_max_cached_fraction=a.pd_max_cached_fraction,
             pd_overlap=a.pd_overlap,
+            pd_overlap_send=a.pd_overlap_send,
             pd_queue_aware=a.pd_queue_aware,
             pd_queue_poll_interval=a.pd_queue_poll_interval,
             api_key=a.api_key,

@@ -134,13 +134,14 @@ class Routed:
 
 
 @pytest.fixture
-async def routed(store: KVStoreProc) -> AsyncIterator[Routed]:
+async def routed(store: KVStoreProc, request: pytest.FixtureRequest) -> AsyncIterator[Routed]:
     """The stubs and a client of a router over them that has learned the producer's store, a prefill
-    speed and a decode leg's ingest (from one streamed request in sequence)."""
+    speed and a decode leg's ingest (from one streamed request in sequence); an indirect parameter
+    adds RouterConfig fields."""
     stubs = Stubs(store.url)
     async with stubs.serve() as (prefill, decode):
         cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), pd_min_prompt_tokens=0,
-                           pd_queue_aware=False, health_interval=600.0)
+                           pd_queue_aware=False, health_interval=600.0, **getattr(request, "param", {}))
         app = create_app(cfg)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
@@ -196,6 +197,24 @@ async def test_the_decode_leg_goes_out_at_the_prefills_predicted_end_not_before(
     assert _text(await answer) == "d"
     assert await routed.metric("pdserve_router_overlap_sends_total", at="estimate") == 1
     assert await routed.metric("pdserve_router_paths_total", path="pd_overlap") == 1
+
+
+@pytest.mark.parametrize("routed", [{"pd_overlap_send": "start"}], indirect=True)
+async def test_overlap_send_start_sends_the_decode_leg_with_the_prefill_leg(routed: Routed) -> None:
+    """--pd-overlap-send start: with the timing learned all the same, the decode leg goes out while
+    the prefill is held, under the same handoff id, counted at=start."""
+    stubs = routed.stubs
+    assert await _due_after(routed, 500) > 0
+    stubs.gate = asyncio.Event()
+    answer = routed.complete(500)
+    await asyncio.wait_for(_until(lambda: len(stubs.decode_legs) == 1), 30)
+    assert stubs.prefill_answered == 0 and len(stubs.prefill_legs) == 1
+    assert (stubs.decode_legs[0].body["kv_transfer_params"][HANDOFF_KEY]
+            == stubs.prefill_legs[0].body["kv_transfer_params"][HANDOFF_KEY])
+    stubs.gate.set()
+    assert _text(await answer) == "d"
+    assert await routed.metric("pdserve_router_overlap_sends_total", at="start") == 1
+    assert await routed.metric("pdserve_router_overlap_sends_total", at="estimate") == 0
 
 
 async def test_a_prefill_that_answers_before_its_decode_leg_is_due_gets_a_leg_built_from_its_answer(

@@ -186,7 +186,7 @@ class PDFlow:
     async def _until_due(self, call: Call, producer: Worker, prefill: "asyncio.Future[Any]") -> str:
         """Wait until the overlapped decode leg is due or the prefill has ended, whichever is first; the
         moment's label in pdserve_router_overlap_sends ("start": no timing to go by, so at once)."""
-        delay = self.queue.overlap_delay(producer)
+        delay = self.queue.overlap_delay(producer) if self.cfg.pd_overlap_send == "estimate" else None
         if delay is None:
             return "start"
         log.debug("request %s: decode leg due in %.3f s", call.request_id, delay)
