@@ -444,6 +444,7 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "sequential_tpot_p50_ms": _stat(seq, "tpot_ms", "p50"),
             "sequential_router_handoff_mean_ms": (seq or {}).get("router", {}).get("handoff_mean_ms", math.nan),
             "sequential_decode_loads": (seq or {}).get("decode_loads", {}),
+            "at_start_handoff_p50_ms": _stat(by.get(("pd-overlap-start", conc)), "ttft_ms", "p50") - coloc_ttft,
             "ttft_mean_ms": {"pd": _stat(pd, "ttft_ms", "mean"), "sequential": _stat(seq, "ttft_ms", "mean"),
                              "colocated": coloc["ttft_ms"]["mean"], "direct": direct["ttft_ms"]["mean"]},
             "phases": {"overlap": phase_means(pd), "sequential": phase_means(seq)},
@@ -532,6 +533,9 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
             print(f"  legs in sequence (--no-pd-overlap): handoff overhead {row['sequential_handoff_p50_ms']:.1f} ms, "
                   f"router-measured handoff {row['sequential_router_handoff_mean_ms']:.1f} ms; KV loads: "
                   f"{describe_load_phases(row['sequential_decode_loads'])}")
+        if not math.isnan(row["at_start_handoff_p50_ms"]):
+            print(f"  decode leg sent with the prefill leg (--pd-overlap-send start): handoff overhead "
+                  f"{row['at_start_handoff_p50_ms']:.1f} ms")
         for line in floor_and_phase_lines(row):
             print(line)
     backends = [(row["max_concurrency"], name, b) for row in rows for name, b in row["backends"].items()]
@@ -676,14 +680,16 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
         pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
         with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), \
                 second_router(pd, "--no-pd-overlap") as sequential_url, \
-                second_router(pd, "--no-pd-queue-aware") as blind_url:
+                second_router(pd, "--no-pd-queue-aware") as blind_url, \
+                second_router(pd, "--pd-overlap-send", "start") as at_start_url:
             decode_url = pd.worker_urls("decode")[0]
             runs += engine_floor(bench, decode_url, FLOOR_LABELS["pd"], floor_prompts)
             for conc in cfg.max_concurrency:
                 # The stack's router overlaps the legs and skips a long prefill queue (the defaults);
-                # the second sends the legs in sequence, the third always disaggregates.
+                # the second sends the legs in sequence, the third always disaggregates, the fourth
+                # sends an overlapped decode leg with its prefill leg instead of at the predicted end.
                 for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url),
-                                   ("pd-queue-blind", blind_url)):
+                                   ("pd-queue-blind", blind_url), ("pd-overlap-start", at_start_url)):
                     before, paths_before = read_counters(decode_url), router_paths(url)
                     level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc]))
                     after = read_counters(decode_url)

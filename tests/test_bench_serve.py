@@ -55,6 +55,10 @@ def test_comparison_gives_handoff_and_router_overhead() -> None:
 
     [row] = comparison([run("pd", 130.0), run("colocated-router", 100.0), run("colocated-direct", 99.5)])
     assert row["handoff_overhead_p50_ms"] == pytest.approx(30.0)
+    assert math.isnan(row["at_start_handoff_p50_ms"])  # no such run
+    [row] = comparison([run("pd", 130.0), run("pd-overlap-start", 112.0), run("colocated-router", 100.0),
+                        run("colocated-direct", 99.5)])
+    assert row["at_start_handoff_p50_ms"] == pytest.approx(12.0)
     assert row["handoff_ttft_ratio"] == pytest.approx(1.3)
     assert row["router_overhead_p50_ms"] == pytest.approx(0.5)
 
