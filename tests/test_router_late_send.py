@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore_fixtures import KVStoreProc, start_kvstore
+from worker_stubs import listening, worker_app
 from pdserve.kvstore.connector.handoff import HANDOFF_KEY
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
@@ -88,24 +89,9 @@ class Stubs:
     @contextlib.asynccontextmanager
     async def serve(self) -> AsyncIterator[tuple[str, str]]:
         """(prefill URL, decode URL) while both stubs listen."""
-        runners, urls = [], []
-        for post, extra in ((self.prefill, {"/tokenize": self.tokenize}), (self.decode, {})):
-            app = web.Application()
-            app.router.add_get("/health", self.health)
-            app.router.add_get("/v1/models", self.models)
-            app.router.add_post("/v1/completions", post)
-            for path, handler in extra.items():
-                app.router.add_post(path, handler)
-            runner = web.AppRunner(app, handler_cancellation=True)  # a closed leg cancels its handler
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            runners.append(runner)
-            urls.append("http://127.0.0.1:%d" % runner.addresses[0][1])
-        try:
-            yield urls[0], urls[1]
-        finally:
-            for runner in runners:
-                await runner.cleanup()
+        async with listening(worker_app(self.health, self.models, self.prefill, {"/tokenize": self.tokenize}),
+                             worker_app(self.health, self.models, self.decode)) as (prefill, decode):
+            yield prefill, decode
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from pdserve.router.flow.decode_leg import DecodeLeg
 from pdserve.router.flow.producer_watch import ProducerWatch
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, RouteContext, Worker
+from worker_stubs import listening, worker_app
 
 
 @pytest.fixture(autouse=True)
@@ -177,23 +178,9 @@ class Stubs:
     @contextlib.asynccontextmanager
     async def serve(self) -> AsyncIterator[tuple[str, str]]:
         """(prefill URL, decode URL) while both stubs listen."""
-        runners = []
-        urls = []
-        for health, post in ((self.health, self.prefill), (self.decode_health, self.decode)):
-            app = web.Application()
-            app.router.add_get("/health", health)
-            app.router.add_get("/v1/models", self.models)
-            app.router.add_post("/v1/completions", post)
-            runner = web.AppRunner(app, handler_cancellation=True)  # a closed leg cancels its handler
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-            runners.append(runner)
-            urls.append("http://127.0.0.1:%d" % runner.addresses[0][1])
-        try:
-            yield urls[0], urls[1]
-        finally:
-            for runner in runners:
-                await runner.cleanup()
+        async with listening(worker_app(self.health, self.models, self.prefill),
+                             worker_app(self.decode_health, self.models, self.decode)) as (prefill, decode):
+            yield prefill, decode
 
 
 Scrape = Callable[[str], Awaitable[float]]

@@ -1,0 +1,39 @@
+"""Stub vLLM workers for router tests: aiohttp apps with a worker's routes, each on a loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator, Awaitable, Callable, Mapping
+
+from aiohttp import web
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def worker_app(health: Handler, models: Handler, completions: Handler,
+               posts: Mapping[str, Handler] | None = None) -> web.Application:
+    """/health, /v1/models and /v1/completions as a vLLM worker serves them, plus other POST routes."""
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    for path, handler in (posts or {}).items():
+        app.router.add_post(path, handler)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def listening(*apps: web.Application) -> AsyncIterator[list[str]]:
+    """Each app's base URL while it listens; a connection the router closes cancels its handler,
+    as a hung-up leg aborts the request in vLLM."""
+    runners = []
+    try:
+        for app in apps:
+            runner = web.AppRunner(app, handler_cancellation=True)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield ["http://127.0.0.1:%d" % runner.addresses[0][1] for runner in runners]
+    finally:
+        for runner in runners:
+            await runner.cleanup()
