@@ -66,8 +66,9 @@ class Router:
         self.prefill.add_static(cfg.prefill_urls)
         self.decode.add_static(cfg.decode_urls)
         self.worker_headers = {"Content-Type": "application/json"}
-        if cfg.api_key:
-            self.worker_headers["Authorization"] = f"Bearer {cfg.api_key}"
+        self._bearer = f"Bearer {cfg.api_key}" if cfg.api_key else None  # what clients must send, and workers get
+        if self._bearer:
+            self.worker_headers["Authorization"] = self._bearer
         self.store = StoreView(cfg.kvstore_auth_token)
         self.watcher = (
             MembershipWatcher(cfg.redis_url, self._on_membership, model=cfg.model) if cfg.redis_url else None
@@ -127,11 +128,10 @@ class Router:
     def ready(self) -> bool:
         return bool(self.decode.candidates(None))
 
-
-def _authorized(router: Router, request: Request) -> bool:
-    if not router.cfg.api_key:
-        return True
-    return request.headers.get("authorization", "") == f"Bearer {router.cfg.api_key}"
+    def authorize(self, authorization: str) -> None:
+        """Raise the 401 unless the client's Authorization header carries the API key (when one is set)."""
+        if self._bearer is not None and authorization != self._bearer:
+            raise RouterError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:
@@ -186,8 +186,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             route = self.route
             head = RequestHead.of(scope["headers"])
             try:
-                if cfg.api_key and head.authorization.decode("latin-1") != f"Bearer {cfg.api_key}":
-                    raise RouterError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+                router.authorize(head.authorization.decode("latin-1"))
                 raw = await read_body(receive, head, cfg.max_request_bytes, cfg.body_timeout)
             except RouterError as exc:  # answered before the body was read to its end
                 resp = exc.response()
@@ -242,8 +241,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        if not _authorized(router, request):
-            raise RouterError(401, "invalid or missing API key (send Authorization: Bearer <key>)")
+        router.authorize(request.headers.get("authorization", ""))
         return JSONResponse({"object": "list", "data": router.decode.model_cards()})
 
     @app.get("/health")
