@@ -85,27 +85,34 @@ def test_a_loading_worker_maps_its_store_arena_at_start() -> None:
     (before any load, so the first requests do not pay for it); one that only saves does not."""
     from kvstore_fixtures import LAYOUT, start_kvstore
 
+    from pdserve.kvstore.client import shm
     from pdserve.kvstore.client.client import KVStoreClient
     from pdserve.kvstore.connector.worker_side import WorkerIO
+
+    def mapped(path: str) -> list[bool]:
+        return [all(a._mapped) for key, a in list(shm._attached.items()) if key[0] == path]
 
     store = start_kvstore(l1_size_gb=0.25)
     try:
         with KVStoreClient(store.url) as client:
             ns = client.register_layout(LAYOUT)
+            path = client.info().shm_path
         cache = GroupCache(_cache(4608, num_blocks=8))
         saver = WorkerIO({"url": store.url}, ns, [cache], writes=True)
-        loader = WorkerIO({"url": store.url}, ns, [cache], writes=False, reads=True)
         try:
-            for _ in range(300):
-                arena = loader._arena_client.arena if loader._arena_client is not None else None
-                if arena is not None and all(arena._mapped):
-                    break
-                time.sleep(0.1)
-            assert arena is not None and all(arena._mapped), "the loader's arena was not mapped at start"
-            assert saver._arena_client is None
+            time.sleep(0.5)
+            assert mapped(path) == [], "a worker that only saves mapped the arena"
+            loader = WorkerIO({"url": store.url}, ns, [cache], writes=False, reads=True)
+            try:
+                for _ in range(300):
+                    if mapped(path) == [True]:
+                        break
+                    time.sleep(0.1)
+                assert mapped(path) == [True], "the loader's arena was not mapped at start"
+            finally:
+                loader.close()
         finally:
             saver.close()
-            loader.close()
     finally:
         store.stop()
 

@@ -214,18 +214,23 @@ def test_a_consumer_pins_its_store_arena_before_its_first_load() -> None:
     from pdserve.kvstore.connector.cache import GroupCache
     from pdserve.kvstore.connector.worker_side import WorkerIO
 
+    from pdserve.kvstore.client import shm
+    from pdserve.kvstore.client.client import KVStoreClient
+
     store, ns = _store_with({})
+    with KVStoreClient(store.url) as client:
+        path = client.info().shm_path
     io = WorkerIO({"url": store.url, "shm": None}, ns, [GroupCache(_layers([656]))], writes=False, reads=True)
     try:
-        def registered() -> int:
-            return sum(len(p._granules) for p in host_pins._by_arena.values())
+        def registered() -> int:  # granules of this store's arena registered in this process
+            arenas = [a for key, a in list(shm._attached.items()) if key[0] == path]
+            return sum(len(p._granules) for a in arenas if (p := host_pins._by_arena.get(id(a))) is not None)
 
         for _ in range(300):
-            if registered() and io._arena_client is not None:
+            if registered():
                 break
             time.sleep(0.1)
-        arena = io._arena_client.arena if io._arena_client is not None else None
-        assert arena is not None and registered() > 0, "the arena was not pinned before any load"
+        assert registered() > 0, "the arena was not pinned before any load"
     finally:
         io.close()
         store.stop()

@@ -119,33 +119,29 @@ class WorkerIO:
         self._foreign_stores: set[tuple[str | None, str]] = set()  # (url, id) mismatches already logged
         self._in_flight = 0  # loads handed to the load threads and not yet reported
         self._threads = [threading.Thread(target=self._save_loop, name="pdserve-save", daemon=True)] + [
-            threading.Thread(target=self._load_loop, name=f"pdserve-load-{i}", daemon=True) for i in range(LOAD_THREADS)
+            threading.Thread(target=self._load_loop, args=(reads and i == 0,), name=f"pdserve-load-{i}", daemon=True)
+            for i in range(LOAD_THREADS)
         ]
-        self._arena_client: KVStoreClient | None = None  # keeps our store's arena mapped from the start
-        if reads:
-            self._threads.append(threading.Thread(target=self._map_store_arena, name="pdserve-map-arena", daemon=True))
         for t in self._threads:
             t.start()
 
-    def _map_store_arena(self) -> None:
+    def _map_store_arena(self, clients: dict[str | None, KVStoreClient]) -> None:
         """Map our same-host store's arena, fault its pages in and, on CUDA, page-lock it while the
         engine is still starting, not at the first loads: on the H200 host those copied into the
         paged cache in 13 ms (2k tokens) and 173 ms (8k) while the arena was being registered, 2.0 ms
-        (2k) once it was, and a 32k load's fetch spent most of its 27 ms mapping fresh pages."""
-        client = self._client()
+        (2k) once it was, and a 32k load's fetch spent most of its 27 ms mapping fresh pages. The
+        client is the load thread's own, so a store restart remaps it as for any load (a client
+        kept aside would hold the dead store's arena, and its memory, for good)."""
+        client = clients[None] = self._client()
         try:
             client.info()
         except Exception as exc:  # the store may start later: then the first load maps it
             log.debug("kvstore %s not reachable at start (%s): its arena is mapped on first load", client.url, exc)
-            client.close()
             return
-        if client.arena is None:  # another host's store, or TCP only
-            client.close()
-            return
-        self._arena_client = client
-        client.arena.populate()
-        if self._cuda:
-            pins_of(client.arena)
+        if client.arena is not None:  # None: another host's store, or TCP only
+            client.arena.populate()
+            if self._cuda:
+                pins_of(client.arena)
 
     def _client(self, url: str | None = None) -> KVStoreClient:
         """A client of our store, or of `url` (a producer's store on another node)."""
@@ -243,10 +239,12 @@ class WorkerIO:
                 self._in_flight -= len(out)
                 return out
 
-    def _load_loop(self) -> None:
+    def _load_loop(self, map_arena: bool) -> None:
         # One client per store: a P/D handoff loads from the store its producer wrote
         # to (named in kv_transfer_params), which may be another node's.
         clients: dict[str | None, KVStoreClient] = {}
+        if map_arena:
+            self._map_store_arena(clients)
         while (item := self._loads.get()) is not None:
             job, handed = item
             self.stats.add(load_queue_seconds=time.perf_counter() - handed)
@@ -257,18 +255,20 @@ class WorkerIO:
         health = health_of(self._args(job.store_url))
         outcome = LoadOutcome(job.req_id, {b for o in job.objects for b in _targets(o)}, False)  # until loaded
         timed_out = store_down = False
+        # our own store's client, whether the job names it or not (the one that maps its arena at start)
+        key = None if job.store_url == self.client_args.get("url") else job.store_url
         try:
             with health.guard():
-                if job.store_url not in clients:
-                    clients[job.store_url] = self._client(job.store_url)
-                outcome = self._load_one(clients[job.store_url], job, health)
+                if key not in clients:
+                    clients[key] = self._client(job.store_url)
+                outcome = self._load_one(clients[key], job, health)
         except StoreDown as exc:  # logged once when it went down
             log.debug("load of %s not tried, vLLM recomputes it: %s", job.req_id, exc)
             store_down = True
         except Exception as exc:
             _log_failure(exc, f"load of {job.req_id} failed, vLLM recomputes it")
             timed_out = isinstance(exc, KVStoreUnavailable)
-            stale = clients.pop(job.store_url, None)
+            stale = clients.pop(key, None)
             if stale is not None:
                 stale.close()
         self.stats.add(
@@ -373,5 +373,3 @@ class WorkerIO:
             self._loads.put(None)
         for t in self._threads:
             t.join(timeout=5)
-        if self._arena_client is not None:
-            self._arena_client.close()
