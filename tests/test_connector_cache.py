@@ -45,6 +45,36 @@ def test_scatter_skips_leading_blocks_and_holes() -> None:
         assert torch.equal(a[[4, 8]], b[[4, 8]])
 
 
+@pytest.mark.parametrize("batch_bytes", [64 << 20, 3 * 4608 * 2], ids=["one-launch", "capped"])
+def test_batched_scatter_writes_what_object_by_object_does(batch_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device path (several objects' rows side by side, one kernel call per part and run),
+    driven here with pdserve.kernels' torch reference in place of its Triton kernels."""
+    from pdserve.kernels import paged
+    from pdserve.kvstore.connector import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "SCATTER_BATCH_BYTES", batch_bytes)
+    calls: list[int] = []
+
+    def scatter(buffer: torch.Tensor, caches: list[torch.Tensor], ids: torch.Tensor) -> None:
+        calls.append(int(ids.numel()))
+        paged.scatter_torch(buffer, caches, ids)
+
+    src = GroupCache(_cache(4608, num_blocks=16) + _cache(132, num_blocks=16, layers=2))  # two parts
+    lists = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]]
+    payloads = [memoryview(src.gather(ids).numpy().tobytes()) for ids in lists]
+    loads = [(payloads[0], lists[0], 1), (payloads[1], [3, UNALLOCATED], 0)] + [
+        (data, ids, 0) for data, ids in zip(payloads[2:], lists[2:])]
+    dst = GroupCache([torch.zeros_like(t).view(torch.bfloat16) for t in src.views])
+    dst._ops = (paged.gather_torch, scatter)
+    dst.scatter_objects(loads)
+    written, untouched = [2, 3, 5, 6, 7, 8, 9, 10], [1, 4]
+    for a, b in zip(src.views, dst.views):
+        assert torch.equal(a[written], b[written])
+        assert not b[untouched].any()
+    assert sum(calls) == 2 * len(written)  # every written block once per part
+    assert len(calls) == (2 if batch_bytes > 1 << 20 else 5)  # capped: the wide part in 4 runs, the narrow in 1
+
+
 def test_a_load_that_breaks_is_reported_failed_not_lost() -> None:
     """A scatter that raises (here: a block id past the cache) ends as a failed load, so vLLM recomputes
     instead of waiting forever; the load thread lives on and serves the next job."""

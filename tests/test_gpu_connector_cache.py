@@ -62,6 +62,28 @@ def test_mixed_width_group_round_trips_through_one_kernel_per_part() -> None:
         assert torch.equal(a[blocks], b[blocks])
 
 
+def test_a_load_of_many_objects_is_one_launch_per_part() -> None:
+    """A 32k-token load is ~128 objects: their rows go to the paged kernel side by side, one launch
+    per part (not one per object and part), leading blocks kept and holes skipped as before."""
+    from pdserve.kvstore.connector.cache import GroupCache
+    from pdserve.kvstore.connector.plan import UNALLOCATED
+
+    widths = [656, 132, 656, 132]
+    src, dst = GroupCache(_layers(widths)), GroupCache(_layers(widths))
+    lists = [[2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13]]
+    _fill(src, [b for ids in lists for b in ids], seed=3)
+    payloads = [memoryview(src.gather(ids).numpy()) for ids in lists]
+    loads = [(payloads[0], lists[0], 1), (payloads[1], [4, UNALLOCATED], 0)] + [
+        (data, ids, 0) for data, ids in zip(payloads[2:], lists[2:])]
+    kernels = _kernel_names(lambda: dst.scatter_objects(loads))
+    assert sum("paged_copy_kernel" in k for k in kernels) == 2, kernels
+    written = [3, 4] + [b for ids in lists[2:] for b in ids]
+    untouched = [2, 5]
+    for a, b in zip(src.views, dst.views):
+        assert torch.equal(a[written], b[written])
+        assert not b[untouched].any()
+
+
 def _store_with(objects: dict[bytes, torch.Tensor]):
     from kvstore_fixtures import LAYOUT, start_kvstore
 
@@ -197,7 +219,7 @@ def test_a_payload_across_granules_uploads_piece_by_piece() -> None:
         pieces = pins.pieces(arena.slice(start, data.numel()))
         assert pieces is not None and len(pieces) == 2 and all(p.is_pinned() for p in pieces)
         cache = GroupCache(_layers([656]))
-        on_gpu = cache._upload(pieces, data.numel())
+        (on_gpu,) = cache._upload([pieces], [data.numel()])
         torch.cuda.synchronize()
         assert torch.equal(on_gpu.cpu(), data)
     finally:

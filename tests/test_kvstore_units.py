@@ -120,6 +120,25 @@ def test_copy_all_copies_and_hashes_small_and_large(on_helper: bool, monkeypatch
         copy_all([memoryview(bytearray(3))], [memoryview(b"four")])
 
 
+@pytest.mark.parametrize("on_helper", [True, False], ids=["hash-on-helper", "one-thread"])
+def test_checksums_keep_order_when_shared_out(on_helper: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large in-place read is hashed in shares on the helper threads: each sum stays with its view."""
+    monkeypatch.setattr(checksum_module, "HASH_ON_HELPER", on_helper)
+    sizes = [1 << 20] * 9 + [7, 5 << 20, 3] + [1 << 19] * 5  # uneven, so the shares differ in count
+    views = [memoryview(os.urandom(n)) for n in sizes]
+    assert checksum_module.checksums(views) == [checksum(v) for v in views]
+    assert checksum_module.checksums(views[:1]) == [checksum(views[0])]
+    assert checksum_module.checksums([]) == []
+
+
+def test_shares_cover_every_view_once_in_order() -> None:
+    views = [memoryview(bytes(n)) for n in (5, 1, 1, 1, 9, 2, 2)]
+    for parts in (1, 2, 3, 5, 20):
+        runs = checksum_module._shares(views, parts)
+        assert 1 <= len(runs) <= parts
+        assert [id(v) for run in runs for v in run] == [id(v) for v in views]
+
+
 # ------------------------------------------------------------------ allocator and L1
 
 

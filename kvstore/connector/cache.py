@@ -53,6 +53,27 @@ def _copy_rows(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
     dst.index_copy_(0, idx, src)
 
 
+# A load's objects go to the paged kernels in launches of at most this many bytes: the rows are
+# put side by side on the device first, so this bounds the extra device memory a load takes.
+SCATTER_BATCH_BYTES = 64 << 20
+MAX_LAUNCH_BLOCKS = 65535  # pdserve.kernels.paged's limit on blocks per launch
+
+
+def _runs(batch: list[tuple[torch.Tensor, torch.Tensor]], max_bytes: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(rows [layers, blocks, width], block ids) pairs cut into consecutive runs of at most
+    `max_bytes` and MAX_LAUNCH_BLOCKS blocks (a pair larger than that is a run of its own)."""
+    runs: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    size = blocks = 0
+    for src, idx in batch:
+        if runs and size + src.numel() <= max_bytes and blocks + src.shape[1] <= MAX_LAUNCH_BLOCKS:
+            runs[-1].append((src, idx))
+            size, blocks = size + src.numel(), blocks + src.shape[1]
+        else:
+            runs.append([(src, idx)])
+            size, blocks = src.numel(), src.shape[1]
+    return runs
+
+
 COPY_COUNTERS = ("gather_bytes", "gather_seconds", "gather_gpu_seconds",
                  "scatter_bytes", "scatter_seconds", "scatter_gpu_seconds")
 
@@ -190,8 +211,7 @@ class GroupCache:
                 began = _timed_event(self._stream)  # after the fence: the engine's work is not ours
                 # From pinned memory, so the uploads are asynchronous too: only the synchronize
                 # below orders the load.
-                on_gpu = [self._upload(pieces, size) for pieces, size in zip(host, sizes)]
-                self._scatter_all(objects, targets, self._ids(flat), on_gpu)
+                self._scatter_all(objects, targets, self._ids(flat), self._upload(host, sizes))
                 ended = _timed_event(self._stream)
             # Reported received only once the bytes are in the paged cache (and the staging is free).
             self._stream.synchronize()
@@ -224,36 +244,47 @@ class GroupCache:
             pieces[i] = [staged]
         return [found for found in pieces if found is not None]
 
-    def _upload(self, pieces: list[torch.Tensor], size: int) -> torch.Tensor:
-        """One payload on the device from its pinned host pieces (queued on the current stream)."""
-        if len(pieces) == 1:
-            return pieces[0].to(self.device, non_blocking=True)
-        out = torch.empty(size, dtype=torch.uint8, device=self.device)
+    def _upload(self, host: list[list[torch.Tensor]], sizes: list[int]) -> list[torch.Tensor]:
+        """The payloads on the device, one after the other in one buffer, from their pinned host
+        pieces (queued on the current stream)."""
+        out = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         offset = 0
-        for piece in pieces:
-            out[offset : offset + piece.numel()].copy_(piece, non_blocking=True)
-            offset += piece.numel()
-        return out
+        for pieces in host:
+            for piece in pieces:
+                out[offset : offset + piece.numel()].copy_(piece, non_blocking=True)
+                offset += piece.numel()
+        return list(out.split(sizes))
 
     def _scatter_all(self, objects: list[tuple[memoryview, list[int], int]], targets: list[list[int]],
                      ids: torch.Tensor, payloads: list[torch.Tensor]) -> None:
+        """Each part's rows of every object into their blocks: with the paged kernels, the objects'
+        rows side by side and one launch per part for up to SCATTER_BATCH_BYTES of them (a launch
+        and its Python cost 50-100 us, and a 32k-token load of a tiny DeepSeek is 128 objects);
+        else (the CPU engine) object by object, layer by layer, without the extra copy."""
+        batches: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.parts]
         pos = 0
         for (_, block_ids, skip), keep, whole in zip(objects, targets, payloads):
             if not keep:
                 continue
             idx, pos = ids[pos : pos + len(keep)], pos + len(keep)
             offset = 0
-            for part in self.parts:
+            for part, batch in zip(self.parts, batches):
                 size = part.object_bytes(len(block_ids))
                 src = whole[offset : offset + size].view(len(part.views), len(block_ids), -1)
                 offset += size
                 # a plain run of blocks (the usual case) is a view; only holes make a copy
                 src = src[:, skip:] if len(keep) == len(block_ids) - skip else src[:, keep]
-                if self._ops is not None:
-                    self._ops[1](src.contiguous(), part.rows, idx)
-                    continue
-                for layer, view in enumerate(part.views):
-                    _copy_rows(view, idx, src[layer])
+                if self._ops is None:
+                    for layer, view in enumerate(part.views):
+                        _copy_rows(view, idx, src[layer])
+                else:
+                    batch.append((src, idx))
+        for part, batch in zip(self.parts, batches):
+            for run in _runs(batch, SCATTER_BATCH_BYTES):
+                srcs, idxs = zip(*run)
+                rows = srcs[0].contiguous() if len(srcs) == 1 else torch.cat(srcs, dim=1)
+                assert self._ops is not None
+                self._ops[1](rows, part.rows, idxs[0] if len(idxs) == 1 else torch.cat(idxs))
 
     def take_copy_counts(self) -> dict[str, float]:
         """Counts since the last take (each counter is written by one thread only)."""
