@@ -290,6 +290,61 @@ async def test_prompt_tokens_locally_from_the_model_folder(tiny_deepseek_v3) -> 
         await tokens.stop()
 
 
+async def test_long_prompts_tokenize_at_once_each_on_its_own_copy(tiny_deepseek_v3) -> None:  # type: ignore[no-untyped-def]
+    """Concurrent prompts are tokenized in parallel on copies of the tokenizer (one fast tokenizer
+    shared by two threads fails with "Already borrowed", which would send them to a worker's
+    /tokenize, here unreachable: None), and every count is the tokenizer's own."""
+    from transformers import AutoTokenizer
+
+    from pdserve.router.tokens import PromptTokens
+    from pdserve.router.upstream import new_session
+
+    model = str(tiny_deepseek_v3)
+    reference = AutoTokenizer.from_pretrained(model)
+    prompts = [" ".join(f"w{i}x{j}" for j in range(3000)) for i in range(8)]
+    async with new_session() as http:
+        tokens = PromptTokens(http, {}, None)
+        tokens.prepare(model)
+        (encoders,) = await asyncio.wait_for(asyncio.gather(*tokens._loading.values()), 120)
+        got = await asyncio.gather(*(
+            tokens.ids("completions", {"model": model, "prompt": p}, "http://127.0.0.1:9") for p in prompts))
+        assert got == [reference.encode(p) for p in prompts]
+        assert 1 <= encoders.made <= 8
+        await tokens.stop()
+
+
+def test_encoders_lend_each_copy_to_one_thread_at_a_time() -> None:
+    import threading
+    import time
+
+    from pdserve.router.tokens import Encoders
+
+    encoders = Encoders(object(), limit=3)
+    users: dict[int, int] = {}  # copy -> threads holding it now
+    count = threading.Lock()
+    overlaps: list[int] = []
+    start = threading.Barrier(6)
+
+    def use() -> None:
+        start.wait()
+        for _ in range(20):
+            with encoders.borrow() as tok:
+                with count:
+                    users[id(tok)] = users.get(id(tok), 0) + 1
+                    overlaps.append(users[id(tok)])
+                time.sleep(0.001)
+                with count:
+                    users[id(tok)] -= 1
+
+    threads = [threading.Thread(target=use) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert max(overlaps) == 1  # never two threads on one copy
+    assert encoders.made == 3 and len(users) == 3  # copies made up to the limit, then waited for
+
+
 # ---------------------------------------------------------------- GC
 
 
