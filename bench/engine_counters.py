@@ -55,8 +55,11 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
 # Where a load's time goes, per load (ms): from start_load_kv until vLLM hears it finished, the
 # wait for a load thread, the store fetch (waits for a producer's upload included) and the copy
 # into the paged cache; what the three leave of the whole is the engine noticing the finished load.
+# On CUDA the copy's wall time also holds its wait for the work the engine queued before the load
+# (its fence); the copy's own GPU time (CUDA events, from after that wait) tells the two apart.
 LOAD_PHASES = {"load_ms": "load_seconds", "load_queue_ms": "load_queue_seconds",
-               "load_fetch_ms": "load_fetch_seconds", "load_scatter_ms": "scatter_seconds"}
+               "load_fetch_ms": "load_fetch_seconds", "load_scatter_ms": "scatter_seconds",
+               "load_scatter_gpu_ms": "scatter_gpu_seconds"}
 
 
 def load_phase_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
@@ -72,13 +75,18 @@ def load_phase_means(before: dict[str, float] | None, after: dict[str, float] | 
     return out
 
 
+def _gpu_part(means: dict[str, float]) -> str:
+    gpu = means.get("load_scatter_gpu_ms", 0.0)
+    return f" (of it {gpu:.1f} on the GPU, after the engine's queued work)" if gpu > 0 else ""
+
+
 def describe_load_phases(means: dict[str, float]) -> str:
     """One line for a benchmark's output."""
     if not means:
         return "no loads"
     return (f"{means['load_ms']:.1f} ms per load: waiting for a load thread {means['load_queue_ms']:.1f}, "
             f"store fetch {means['load_fetch_ms']:.1f} ({means['load_waits']:.1f} waits for a producer's upload), "
-            f"copy into the paged cache {means['load_scatter_ms']:.1f}, the engine noticing it "
+            f"copy into the paged cache {means['load_scatter_ms']:.1f}{_gpu_part(means)}, the engine noticing it "
             f"{means['load_ms'] - means['load_queue_ms'] - means['load_fetch_ms'] - means['load_scatter_ms']:.1f}")
 
 

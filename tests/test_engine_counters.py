@@ -34,6 +34,9 @@ def test_load_phases_are_means_per_load_between_two_readings():
     assert means["load_ms"] == pytest.approx(10.0) and means["load_fetch_ms"] == pytest.approx(5.0)
     assert means["load_scatter_ms"] == pytest.approx(2.0) and means["load_waits"] == pytest.approx(0.5)
     assert "engine noticing it 2.0" in describe_load_phases(means)
+    assert "GPU" not in describe_load_phases(means)  # the CPU engine has no GPU time to tell apart
+    on_gpu = load_phase_means(before, {**after, "scatter_gpu_seconds": 0.002})
+    assert "copy into the paged cache 2.0 (of it 0.5 on the GPU" in describe_load_phases(on_gpu)
     assert load_phase_means(after, after) == {} and load_phase_means(None, after) == {}
 
 
