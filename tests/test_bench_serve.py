@@ -248,6 +248,20 @@ def test_warm_up_runs_a_whole_batch_of_the_level_before_measuring() -> None:
     assert sent == 1 and max(seen) == 1, seen
 
 
+def test_a_pd_routers_first_level_warms_up_past_its_learning() -> None:
+    """The P/D routers' first level warms up with enough legs to fill the overlap timing's median
+    (and the first, sequential, leg); --num-warmups 0 still means none."""
+    from pdserve.bench.serve import PD_ROUTER_WARMUPS
+    from pdserve.router.prefill_estimate import RECENT_LEGS
+
+    cfg = config_from_args(["--compare"])
+    assert PD_ROUTER_WARMUPS > RECENT_LEGS
+    assert warmups(cfg, 1, PD_ROUTER_WARMUPS) == PD_ROUTER_WARMUPS
+    assert warmups(cfg, 8, PD_ROUTER_WARMUPS) == max(8, PD_ROUTER_WARMUPS)
+    assert warmups(cfg, 1) == 1
+    assert warmups(config_from_args(["--compare", "--num-warmups", "0"]), 1, PD_ROUTER_WARMUPS) == 0
+
+
 def test_prompts_have_the_exact_token_count_and_never_repeat(tiny_deepseek_v3: Path) -> None:
     """Fresh prompts every take: reused ones would measure KV store hits, not prefill."""
     tokenizer = load_tokenizer(str(tiny_deepseek_v3))
