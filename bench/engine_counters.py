@@ -90,6 +90,29 @@ def describe_load_phases(means: dict[str, float]) -> str:
             f"{means['load_ms'] - means['load_queue_ms'] - means['load_fetch_ms'] - means['load_scatter_ms']:.1f}")
 
 
+def save_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """Mean per copy out of the paged cache for saves between two readings: wall ms (on CUDA it
+    holds the wait for the step's forward, queued before it), GPU ms (from the end of that forward)
+    and MB; empty without saves."""
+    if not before or not after:
+        return {}
+    gained = delta(before, after)
+    n = gained.get("gathers", 0.0)
+    if n <= 0:
+        return {}
+    return {"save_ms": 1000.0 * gained.get("gather_seconds", 0.0) / n,
+            "save_gpu_ms": 1000.0 * gained.get("gather_gpu_seconds", 0.0) / n,
+            "save_mb": gained.get("gather_bytes", 0.0) / n / 1e6, "saves": n}
+
+
+def describe_saves(means: dict[str, float]) -> str:
+    """One line for a benchmark's output."""
+    if not means:
+        return "no saves"
+    gpu = f" (of it {means['save_gpu_ms']:.1f} on the GPU, after the step's forward)" if means["save_gpu_ms"] > 0 else ""
+    return f"{means['saves']:.0f} copies out of the paged cache, {means['save_mb']:.1f} MB and {means['save_ms']:.1f} ms each{gpu}"
+
+
 def engine_time_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
     """Mean ms per request of each of ENGINE_TIMES between two readings (`<key>_ms`); empty without requests."""
     if not before or not after:

@@ -43,7 +43,8 @@ from tqdm import tqdm
 from pdserve.worker.config import split_passthrough
 from pdserve.deploy.ports import free_port
 from pdserve.bench import processes
-from pdserve.bench.engine_counters import describe_load_phases, engine_time_means, load_phase_means, read_counters
+from pdserve.bench.engine_counters import (describe_load_phases, describe_saves, engine_time_means, load_phase_means,
+                                           read_counters, save_means)
 from pdserve.router.prefill_estimate import RECENT_LEGS
 
 PERCENTILES = (50, 90, 99)
@@ -440,6 +441,7 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "router_own_mean_ms": coloc.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "router_own_pd_mean_ms": pd.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "decode_loads": pd.get("decode_loads", {}),
+            "prefill_saves": pd.get("prefill_saves", {}),
             "sequential_handoff_p50_ms": _stat(seq, "ttft_ms", "p50") - coloc_ttft,
             "sequential_handoff_over_floor_ms": _stat(seq, "ttft_ms", "p50") - coloc_ttft - floor_p50,
             "sequential_tpot_p50_ms": _stat(seq, "tpot_ms", "p50"),
@@ -530,6 +532,7 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
               f"{row['router_own_mean_ms']:.2f} ms colocated, {row['router_own_pd_mean_ms']:.2f} ms P/D; "
               f"decode engine's KV load {row['decode_loads'].get('load_ms', math.nan):.1f} ms")
         print(f"  decode engine's KV loads: {describe_load_phases(row['decode_loads'])}")
+        print(f"  prefill engine's saves: {describe_saves(row.get('prefill_saves', {}))}")
         if not math.isnan(row["sequential_handoff_p50_ms"]):
             print(f"  legs in sequence (--no-pd-overlap): handoff overhead {row['sequential_handoff_p50_ms']:.1f} ms, "
                   f"router-measured handoff {row['sequential_router_handoff_mean_ms']:.1f} ms; KV loads: "
@@ -692,7 +695,7 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
                 second_router(pd, "--no-pd-overlap") as sequential_url, \
                 second_router(pd, "--no-pd-queue-aware") as blind_url, \
                 second_router(pd, "--pd-overlap-send", "start") as at_start_url:
-            decode_url = pd.worker_urls("decode")[0]
+            decode_url, prefill_url = pd.worker_urls("decode")[0], pd.worker_urls("prefill")[0]
             runs += engine_floor(bench, decode_url, FLOOR_LABELS["pd"], floor_prompts)
             for n, conc in enumerate(cfg.max_concurrency):
                 # The stack's router overlaps the legs and skips a long prefill queue (the defaults);
@@ -701,9 +704,11 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
                 for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url),
                                    ("pd-queue-blind", blind_url), ("pd-overlap-start", at_start_url)):
                     before, paths_before = read_counters(decode_url), router_paths(url)
+                    saves_before = read_counters(prefill_url)
                     level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc],
                                                        0 if n else PD_ROUTER_WARMUPS))
                     after = read_counters(decode_url)
+                    level[0].metrics["prefill_saves"] = save_means(saves_before, read_counters(prefill_url))
                     level[0].metrics["decode_loads"] = load_phase_means(before, after)
                     level[0].metrics["decode_engine"] = engine_time_means(before, after)
                     paths = {k: v - paths_before.get(k, 0.0) for k, v in router_paths(url).items()}

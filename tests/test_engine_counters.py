@@ -55,3 +55,16 @@ def test_engine_times_are_vllm_request_histograms_per_request_between_two_readin
     before = {"engine_ttft_sum": 0.1, "engine_ttft_count": 2.0, "engine_queue_sum": 0.2, "engine_queue_count": 4.0}
     assert engine_time_means(before, after) == pytest.approx({"engine_ttft_ms": 200.0})  # no request queued in between
     assert engine_time_means(None, after) == {}
+
+
+def test_saves_are_means_per_copy_out_between_two_readings():
+    from pdserve.bench.engine_counters import describe_saves, save_means
+
+    before = {"gathers": 1.0, "gather_seconds": 0.5, "gather_bytes": 1e6}
+    after = {"gathers": 5.0, "gather_seconds": 0.54, "gather_gpu_seconds": 0.008, "gather_bytes": 41e6}
+    means = save_means(before, after)
+    assert means["saves"] == 4 and means["save_ms"] == pytest.approx(10.0)
+    assert means["save_gpu_ms"] == pytest.approx(2.0) and means["save_mb"] == pytest.approx(10.0)
+    assert describe_saves(means) == ("4 copies out of the paged cache, 10.0 MB and 10.0 ms each "
+                                     "(of it 2.0 on the GPU, after the step's forward)")
+    assert save_means(after, after) == {} and describe_saves({}) == "no saves"

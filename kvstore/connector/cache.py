@@ -74,7 +74,7 @@ def _runs(batch: list[tuple[torch.Tensor, torch.Tensor]], max_bytes: int) -> lis
     return runs
 
 
-COPY_COUNTERS = ("gather_bytes", "gather_seconds", "gather_gpu_seconds",
+COPY_COUNTERS = ("gathers", "gather_bytes", "gather_seconds", "gather_gpu_seconds",
                  "scatter_bytes", "scatter_seconds", "scatter_gpu_seconds")
 
 
@@ -167,6 +167,7 @@ class GroupCache:
             assert began is not None
             self.copy_counts["gather_gpu_seconds"] += began.elapsed_time(ended) / 1e3
             out = host
+        self.copy_counts["gathers"] += 1
         self.copy_counts["gather_bytes"] += out.numel()
         self.copy_counts["gather_seconds"] += time.perf_counter() - start
         return list(out.split(sizes))

@@ -21,6 +21,7 @@ COUNTERS: dict[str, str] = {
     "load_queue_seconds": "seconds loads waited for a free load thread, summed over loads",
     "load_fetch_seconds": "seconds loads spent fetching from the store (waits for a producer's upload included)",
     "load_fetch_waits": "times a load waited in the store for a producer's upload to land",
+    "gathers": "copies out of the paged cache for saves (one per KV group and engine step that saves)",
     "gather_bytes": "KV bytes copied out of the paged cache for saves (device to host included)",
     "gather_seconds": "seconds spent copying KV out of the paged cache for saves",
     "gather_gpu_seconds": "GPU time of those copies (kernels and device-to-host transfer, by CUDA events)",
