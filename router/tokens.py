@@ -52,6 +52,10 @@ _CHAT_RENDER_FIELDS = ("tools", "add_generation_prompt", "continue_final_message
 
 # Tokenizer copies at most: prompts tokenized at once (a copy costs a few ms and a few MB).
 MAX_ENCODERS = min(8, os.cpu_count() or 1)
+# How long a prompt waits for a free copy before the worker's /tokenize counts it instead: a
+# 15 MB prompt (under the default --max-request-bytes) keeps a copy busy for ~15 s here, so a
+# few such requests must not hold every other prompt's routing for that long.
+BORROW_WAIT_S = 0.25
 
 
 class Encoders:
@@ -66,18 +70,24 @@ class Encoders:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def borrow(self) -> Iterator[Any]:
-        try:
-            tok = self._free.get_nowait()
-        except queue.Empty:
-            with self._lock:
-                make = self._made < self._limit
-                self._made += int(make)
-            tok = copy.deepcopy(self._base) if make else self._free.get()
+    def borrow(self, wait_s: float | None = None) -> Iterator[Any]:
+        """A copy of the tokenizer for this thread alone; queue.Empty when every copy stays busy
+        for `wait_s` (None: wait as long as it takes)."""
+        tok = self._take(wait_s)
         try:
             yield tok
         finally:
             self._free.put(tok)
+
+    def _take(self, wait_s: float | None) -> Any:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            make = self._made < self._limit
+            self._made += int(make)
+        return copy.deepcopy(self._base) if make else self._free.get(timeout=wait_s)
 
     @property
     def made(self) -> int:
@@ -164,12 +174,14 @@ class PromptTokens:
             try:
                 # off the event loop: a 2k-token prompt takes milliseconds that other streams' relays need
                 return await asyncio.to_thread(self._encode_borrowed, encoders, route, body)
+            except queue.Empty:
+                log.debug("every local tokenizer busy for %.2f s, asking the worker", BORROW_WAIT_S)
             except Exception as exc:  # a template may reject fields; the worker's /tokenize then decides
                 log.debug("local tokenization failed, asking the worker: %s", exc)
         return await self._remote(route, body, worker_url)
 
     def _encode_borrowed(self, encoders: Encoders, route: Route, body: dict[str, Any]) -> list[int]:
-        with encoders.borrow() as tok:
+        with encoders.borrow(BORROW_WAIT_S) as tok:
             return self._encode_locally(tok, route, body)
 
     @staticmethod

@@ -345,6 +345,36 @@ def test_encoders_lend_each_copy_to_one_thread_at_a_time() -> None:
     assert encoders.made == 3 and len(users) == 3  # copies made up to the limit, then waited for
 
 
+def test_a_prompt_does_not_wait_long_for_a_busy_tokenizer() -> None:
+    """When every copy is busy (say with huge prompts), a borrow gives up after its wait, and the
+    router asks the worker instead of queuing every prompt's routing behind them."""
+    import queue
+    import threading
+
+    from pdserve.router.tokens import Encoders
+
+    encoders = Encoders(object(), limit=1)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with encoders.borrow():
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert holding.wait(10)
+        with pytest.raises(queue.Empty):
+            with encoders.borrow(wait_s=0.05):
+                pass
+    finally:
+        release.set()
+        t.join(10)
+    with encoders.borrow(wait_s=0.05) as tok:  # free again
+        assert tok is not None
+
+
 # ---------------------------------------------------------------- GC
 
 
