@@ -62,12 +62,17 @@ LOAD_PHASES = {"load_ms": "load_seconds", "load_queue_ms": "load_queue_seconds",
                "load_scatter_gpu_ms": "scatter_gpu_seconds"}
 
 
+def _gained(before: dict[str, float] | None, after: dict[str, float] | None, per: str) -> tuple[dict[str, float], float]:
+    """What each counter gained between two readings, and how much of it `per` gained (0 without readings)."""
+    if not before or not after:
+        return {}, 0.0
+    gained = delta(before, after)
+    return gained, gained.get(per, 0.0)
+
+
 def load_phase_means(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
     """Mean ms per load of each phase between two readings, and the store waits per load; empty without loads."""
-    if not before or not after:
-        return {}
-    gained = delta(before, after)
-    loads = gained.get("loads", 0.0)
+    gained, loads = _gained(before, after, "loads")
     if loads <= 0:
         return {}
     out = {key: 1000.0 * gained.get(name, 0.0) / loads for key, name in LOAD_PHASES.items()}
@@ -94,10 +99,7 @@ def save_means(before: dict[str, float] | None, after: dict[str, float] | None) 
     """Mean per copy out of the paged cache for saves between two readings: wall ms (on CUDA it
     holds the wait for the step's forward, queued before it), GPU ms (from the end of that forward)
     and MB; empty without saves."""
-    if not before or not after:
-        return {}
-    gained = delta(before, after)
-    n = gained.get("gathers", 0.0)
+    gained, n = _gained(before, after, "gathers")
     if n <= 0:
         return {}
     return {"save_ms": 1000.0 * gained.get("gather_seconds", 0.0) / n,

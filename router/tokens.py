@@ -59,12 +59,13 @@ BORROW_WAIT_S = 0.25
 
 
 class Encoders:
-    """Copies of one tokenizer, lent one per thread at a time; made as concurrency asks for them."""
+    """Copies of one tokenizer, lent one per thread at a time; made as concurrency asks for them,
+    each from the loaded tokenizer, which is never lent (so a copy is never made from one in use)."""
 
     def __init__(self, tokenizer: Any, limit: int = MAX_ENCODERS) -> None:
-        self._base = tokenizer
+        self._template = tokenizer
         self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._free.put(tokenizer)
+        self._free.put(copy.deepcopy(tokenizer))
         self._made = 1
         self._limit = max(1, limit)
         self._lock = threading.Lock()
@@ -87,7 +88,14 @@ class Encoders:
         with self._lock:
             make = self._made < self._limit
             self._made += int(make)
-        return copy.deepcopy(self._base) if make else self._free.get(timeout=wait_s)
+        if not make:
+            return self._free.get(timeout=wait_s)
+        try:
+            return copy.deepcopy(self._template)
+        except BaseException:
+            with self._lock:
+                self._made -= 1
+            raise
 
     @property
     def made(self) -> int:
