@@ -206,8 +206,11 @@ def test_producer_dead_after_its_answer_means_decode_only(pd_stack: Stack) -> No
     stub = start_process([sys.executable, str(Path(__file__).with_name("stub_producer.py")), "--port", str(port),
                           "--kvstore-url", pd_stack.kvstore.url, "--model", pd_stack.model],
                          f"http://127.0.0.1:{port}/health", name="stub-producer", port=port)
+    # The decode leg goes out with the prefill leg (start): with the late send, a stub that answers at
+    # once on a loaded machine could answer before the leg was due, and a leg built from the answer
+    # is not watched (it waits handoff_wait_s, 10 s, and recomputes). Seen once in a full-suite run.
     router = start_router("--prefill", stub.url, "--decode", pd_stack.decode.url, "--api-key", API_KEY,
-                          "--pd-min-prompt-tokens", "0", "--health-interval", "600")
+                          "--pd-min-prompt-tokens", "0", "--health-interval", "600", "--pd-overlap-send", "start")
 
     def stub_stats() -> dict[str, int]:
         return httpx.get(stub.url + "/stats", timeout=10).json()
