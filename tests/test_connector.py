@@ -124,6 +124,19 @@ def test_pd_equals_colocated_one_group(ds3: PDPair) -> None:
     assert len(texts) > 1, "the tiny model answers every prompt alike: equality would prove nothing"
 
 
+def test_params_for_another_tail_load_only_the_shared_chunks(ds3: PDPair) -> None:
+    """A prompt with the producer's whole chunks and length but another tail (as when a router's
+    tokenizer differs from the engine's near the end) must not load that tail: the params' prompt
+    digest tells the two apart, and the consumer falls back to its own lookup of whole chunks."""
+    (prompt,) = prompts(11, [2 * CHUNK + 40])
+    other = prompt[: 2 * CHUNK] + [3 + (t + 1) % 997 for t in prompt[2 * CHUNK:]]
+    params = ds3.prefill(prompt)
+    want = ds3.baseline(other)
+    got, cached = ds3.decode(other, params)
+    assert got == want
+    assert 2 * CHUNK <= cached < len(other) - 1, f"loaded {cached} tokens: the other prompt's tail came too"
+
+
 def test_loaded_bytes_equal_computed_bytes(ds3: PDPair) -> None:
     """The consumer computing the same prompt (under a salt, so nothing is loaded)
     produces exactly the bytes the producer stored, and which the consumer loads."""

@@ -219,6 +219,14 @@ def test_prefill_body_is_one_unstreamed_token_with_remote_decode() -> None:
     assert sent["seed"] == 7 and sent["tools"] == body["tools"]
 
 
+
+def test_prefill_body_sends_the_routers_token_ids_as_the_prompt() -> None:
+    body = {"model": "m", "prompt": "hello world", "max_tokens": 9}
+    sent = prefill_body(body, "h" * 32, [5, 6, 7])
+    assert sent["prompt"] == [5, 6, 7] and body["prompt"] == "hello world"
+    assert prefill_body(body)["prompt"] == "hello world"
+
+
 # ---------------------------------------------------------------- store view
 
 

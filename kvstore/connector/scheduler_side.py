@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.client.health import StoreDown, health_of
-from pdserve.kvstore.client.keys import chunk_keys
+from pdserve.kvstore.client.keys import chunk_keys, prompt_digest
 from pdserve.kvstore.connector.handoff import HandoffWatch, handoff_id, handoff_tail_id, handoff_wait
 from pdserve.kvstore.connector.plan import GroupGeometry, TransferJob, plan_objects
 
@@ -162,7 +162,9 @@ class SchedulerSide:
         if params.get(PARAMS_TAG) != 1 or params.get("namespace") != self.namespace:
             return None
         promised = [bytes.fromhex(k) for k in params.get("chunk_keys", [])]
-        if promised != state.keys[: len(promised)] or params.get("num_tokens") != len(state.prompt):
+        digest = params.get("prompt_digest")  # absent from producers before it: keys and length decide
+        if (promised != state.keys[: len(promised)] or params.get("num_tokens") != len(state.prompt)
+                or (digest is not None and digest != prompt_digest(state.prompt, state.salt))):
             log.warning("kv_transfer_params do not match this prompt; ignoring them")
             return None
         tail_id = params.get("tail_id")
@@ -325,6 +327,8 @@ class SchedulerSide:
             "chunk_size": self.chunk_size,
             "chunk_keys": [k.hex() for k in state.keys],
             "num_tokens": len(state.prompt),
+            # the whole prompt, tail included: the chunk keys cover only its whole chunks
+            "prompt_digest": prompt_digest(state.prompt, state.salt),
             "tail_id": state.tail_id,
         }
 
