@@ -7,6 +7,7 @@ cheaply, so the engine tests can stay few.
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import AsyncGenerator
 
 import aiohttp
@@ -296,6 +297,34 @@ async def test_prompt_tokens_locally_from_the_model_folder(tiny_deepseek_v3) -> 
         # No local tokenizer and no reachable worker: None, so the router routes by its estimate.
         assert await PromptTokens(http, {}, None).ids("completions", {"prompt": "x"}, "http://127.0.0.1:9") is None
         await tokens.stop()
+
+
+def test_fast_encode_counts_as_the_tokenizers_encode(tiny_deepseek_v3) -> None:  # type: ignore[no-untyped-def]
+    """The offset-free encode is used where it counts prompts exactly as `encode` does (here, with
+    and without special tokens, on text the probe did not contain), and refused where it does not."""
+    from transformers import AutoTokenizer
+
+    from pdserve.router.tokens import Encoders, PromptTokens, fast_encode_matches
+
+    tok = AutoTokenizer.from_pretrained(tiny_deepseek_v3)
+    assert Encoders(tok).fast
+    rng = random.Random(5)
+    words = ["alpha", "Beta", "  gamma", "42", "3.14", "\u00e9t\u00e9", "\u65e5\u672c", "\n", "don't", "x_y"]
+    for n in (1, 40, 2000):
+        text = "".join(rng.choice(words) + rng.choice(" \t") for _ in range(n))
+        for add in (True, False):
+            body = {"prompt": text, "add_special_tokens": add}
+            assert PromptTokens._encode_locally(tok, True, "completions", body) == tok.encode(text, add_special_tokens=add)
+
+    class Skewed:  # a tokenizer whose Python encode differs from its backend's (as a subclass might)
+        backend_tokenizer = tok.backend_tokenizer
+        all_special_tokens: list[str] = []
+
+        @staticmethod
+        def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+            return [7, *tok.encode(text, add_special_tokens=add_special_tokens)]
+
+    assert not fast_encode_matches(Skewed()) and not fast_encode_matches(object())
 
 
 async def test_long_prompts_tokenize_at_once_each_on_its_own_copy(tiny_deepseek_v3) -> None:  # type: ignore[no-untyped-def]
