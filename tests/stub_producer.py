@@ -5,13 +5,23 @@ router overlaps the next decode legs, which then wait in that store for a tail t
 comes) and answers health checks, counting them at /stats, until it is killed. That is a
 producer dying between its answer and its upload, made deterministic: a real engine's
 upload lands tens of ms after its answer.
+
+It answers after ANSWER_DELAY_S, as a real prefill takes time: a router sends an overlapped
+decode leg as soon as its task sees the producer picked, but an instant answer was sometimes
+there first on the loaded 2-core VM (the router counted the leg under overlap_sends "answer",
+built from the answer, so no leg was held); the suspicion is uvloop running the reply's I/O
+callbacks before the task's wake-up.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import asyncio
+
 from aiohttp import web
+
+ANSWER_DELAY_S = 1.0
 
 
 def build_app(kvstore_url: str, model: str) -> web.Application:
@@ -29,6 +39,7 @@ def build_app(kvstore_url: str, model: str) -> web.Application:
 
     async def prefill(r: web.Request) -> web.Response:
         await r.read()
+        await asyncio.sleep(ANSWER_DELAY_S)
         counts["answers"] += 1
         # what the router learns a store from; a namespace no engine uses, so no decode loads by it
         params = {"pdserve": 1, "kvstore_url": kvstore_url, "namespace": "stub-producer", "chunk_size": 256}
