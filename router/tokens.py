@@ -229,7 +229,10 @@ class PromptTokens:
             return list(tok.encode(text, add_special_tokens=add_special_tokens))
 
         if route == "completions":
-            return encode(body["prompt"], body.get("add_special_tokens", True))
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]  # a batch of one prompt is that prompt (encode would nest its ids)
+            return encode(prompt, body.get("add_special_tokens", True))
         kwargs = dict(body.get("chat_template_kwargs") or {})
         text = tok.apply_chat_template(
             body["messages"],

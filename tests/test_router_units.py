@@ -315,6 +315,8 @@ def test_fast_encode_counts_as_the_tokenizers_encode(tiny_deepseek_v3) -> None: 
         for add in (True, False):
             body = {"prompt": text, "add_special_tokens": add}
             assert PromptTokens._encode_locally(tok, True, "completions", body) == tok.encode(text, add_special_tokens=add)
+    for fast in (True, False):  # a batch of one prompt counts as that prompt, in flat ids
+        assert PromptTokens._encode_locally(tok, fast, "completions", {"prompt": ["hi there"]}) == tok.encode("hi there")
 
     class Skewed:  # a tokenizer whose Python encode differs from its backend's (as a subclass might)
         backend_tokenizer = tok.backend_tokenizer
