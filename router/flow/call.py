@@ -39,7 +39,7 @@ class Call:
     t0: float = field(default_factory=time.perf_counter)
     t_first_call: float | None = None  # when the router first called a worker for this request
     t_prefill_answer: float | None = None  # when the prefill leg's answer arrived (its JSON not yet read)
-    prompt_ids: list[int] | None = None  # a text completion's prompt as the router tokenized it (prefill leg)
+    prompt_ids: list[int] | None = None  # the prompt as the router counted it (its tokenizer's or a worker's)
     kv_params: dict[str, Any] | None = None  # from the prefill response: owns a store tail until decode ends
     prefill_worker: Worker | None = None  # the worker whose prefill answered
     finished: bool = False  # the decode leg completed (its worker consumed the tail)

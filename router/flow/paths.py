@@ -66,8 +66,7 @@ class PathPlanner:
         ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
         if ids is not None:
             ctx.prompt_tokens = len(ids)
-            if call.route == "completions":
-                call.prompt_ids = ids
+            call.prompt_ids = ids
         if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
             return "decode_only_short", ctx
         if ids is not None:
