@@ -56,6 +56,10 @@ PD_LABELS = {"pdserve": "pd", "lmcache": "pd-lmcache"}
 FLOOR_LABELS = {"pd": "pd-decode-floor", "colocated": "colocated-floor"}
 FLOOR_PROMPT_TOKENS = 16
 FLOOR_PROMPTS = 10
+# And the decode engine's TTFT for a prompt of the benchmark's length whose KV it already holds (vLLM's
+# prefix cache: the prompt sent once before, unmeasured): its last token's step over a long context, which
+# a decode leg pays whatever moved its KV there. Its gap to the short-prompt floor is no connector's doing.
+CACHED_FLOOR_LABEL = "pd-decode-cached-floor"
 
 
 @dataclass(frozen=True)
@@ -409,8 +413,9 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
     the handoff against the decode engine's floor, the P/D TPOT against an engine without a connector,
     and where P/D TTFT goes by the router's phases beside the colocated figures they compare to."""
     by = {(r.label, r.max_concurrency): r.metrics for r in runs}
-    floors = {r.label: r.metrics for r in runs if r.label in FLOOR_LABELS.values()}
+    floors = {r.label: r.metrics for r in runs if r.label in (*FLOOR_LABELS.values(), CACHED_FLOOR_LABEL)}
     pd_floor, coloc_floor = floors.get(FLOOR_LABELS["pd"]), floors.get(FLOOR_LABELS["colocated"])
+    cached_floor_run = floors.get(CACHED_FLOOR_LABEL)
     rows = []
     for conc in sorted({r.max_concurrency for r in runs}, key=lambda c: math.inf if c is None else c):
         pd, coloc, direct = (by.get((name, conc)) for name in ("pd", "colocated-router", "colocated-direct"))
@@ -436,6 +441,8 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "pd_floor_ttft_p50_ms": floor_p50,
             "pd_floor_ttft_mean_ms": _stat(pd_floor, "ttft_ms", "mean"),
             "colocated_floor_ttft_p50_ms": _stat(coloc_floor, "ttft_ms", "p50"),
+            "pd_cached_floor_ttft_p50_ms": _stat(cached_floor_run, "ttft_ms", "p50"),
+            "pd_cached_floor_ttft_mean_ms": _stat(cached_floor_run, "ttft_ms", "mean"),
             "handoff_over_floor_ms": pd_ttft - coloc_ttft - floor_p50,
             "router_handoff_mean_ms": pd.get("router", {}).get("handoff_mean_ms", math.nan),
             "router_own_mean_ms": coloc.get("router", {}).get("router_overhead_mean_ms", math.nan),
@@ -562,6 +569,8 @@ def floor_and_phase_lines(row: dict[str, Any]) -> list[str]:
         f"P/D decode engine {row['pd_floor_ttft_p50_ms']:.1f} ms, colocated engine "
         f"{row['colocated_floor_ttft_p50_ms']:.1f} ms; handoff p50 minus the decode engine's floor: "
         f"{row['handoff_over_floor_ms']:.1f} ms overlapped, {row['sequential_handoff_over_floor_ms']:.1f} ms in sequence",
+        f"  the P/D decode engine's TTFT p50 for a prompt of this length whose KV it already holds (its own prefix "
+        f"cache, c=1): {row['pd_cached_floor_ttft_p50_ms']:.1f} ms (the last token's step over the whole context)",
         f"  connector's cost to decode: TPOT p50 {row['pd_tpot_p50_ms']:.2f} ms P/D "
         f"({row['sequential_tpot_p50_ms']:.2f} in sequence) vs {row['colocated_tpot_p50_ms']:.2f} ms on the "
         f"colocated engine, which runs without a connector: x{row['tpot_connector_ratio']:.3f}"
@@ -574,7 +583,8 @@ def floor_and_phase_lines(row: dict[str, Any]) -> list[str]:
         "before_first_call": f"colocated: the router's own time {row['router_own_mean_ms']:.2f} "
                              "(before its call and relaying)",
         "prefill_leg": f"colocated prefill of the same prompt (TTFT straight at the engine) {ttft['direct']:.1f}",
-        "decode_first_token": f"the decode engine's floor {row['pd_floor_ttft_mean_ms']:.1f}",
+        "decode_first_token": f"the decode engine's floor {row['pd_floor_ttft_mean_ms']:.1f}, "
+                              f"with the prompt's KV in its cache {row['pd_cached_floor_ttft_mean_ms']:.1f}",
     }
     lines.append(f"  where P/D TTFT goes (router's phases, mean ms): {'overlapped':>10} {'in sequence':>12}")
     for name, title in PHASES.items():
@@ -697,6 +707,7 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
                 second_router(pd, "--pd-overlap-send", "start") as at_start_url:
             decode_url, prefill_url = pd.worker_urls("decode")[0], pd.worker_urls("prefill")[0]
             runs += engine_floor(bench, decode_url, FLOOR_LABELS["pd"], floor_prompts)
+            runs += cached_floor(bench, decode_url, tokenizer)
             for n, conc in enumerate(cfg.max_concurrency):
                 # The stack's router overlaps the legs and skips a long prefill queue (the defaults);
                 # the second sends the legs in sequence, the third always disaggregates, the fourth
@@ -734,6 +745,18 @@ def engine_floor(cfg: BenchConfig, engine_url: str, label: str, prompts: PromptS
     floor = BenchConfig(**{**asdict(cfg), "input_len": FLOOR_PROMPT_TOKENS, "output_len": 1,
                            "num_prompts": FLOOR_PROMPTS, "num_warmups": 2, "goodput": {}})
     return asyncio.run(bench_endpoint(floor, engine_url, label, prompts, [1]))
+
+
+def cached_floor(cfg: BenchConfig, engine_url: str, tokenizer: Any) -> list[Run]:
+    """TTFT of full-length prompts straight at an engine that computed each of them just before: two passes
+    over the same prompts (one seed), the first unmeasured. Sequential, so a prompt's second pass finds its
+    blocks still cached."""
+    floor = BenchConfig(**{**asdict(cfg), "output_len": 1, "num_prompts": FLOOR_PROMPTS, "num_warmups": 0,
+                           "goodput": {}})
+    seed = cfg.seed + 2
+    for label in ("cached-floor-warm", CACHED_FLOOR_LABEL):
+        runs = asyncio.run(bench_endpoint(floor, engine_url, label, PromptSource(tokenizer, cfg.input_len, seed), [1]))
+    return runs
 
 
 def lmcache_runs(cfg: BenchConfig, bench: BenchConfig, prompts: PromptSource, stack: Any) -> list[Run]:

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench import processes
-from pdserve.bench.serve import (FLOOR_LABELS, OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, comparison,
+from pdserve.bench.serve import (CACHED_FLOOR_LABEL, FLOOR_LABELS, OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, comparison,
                                  config_from_args, floor_and_phase_lines, load_tokenizer, main, path_counts,
                                  print_summary, router_means, router_sums, run_load, summarize, warmups)
 from pdserve.router.flow.call import Call
@@ -138,12 +138,14 @@ def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connect
     seq = {**ov, "between_legs": 0.4, "decode_first_token": 24.0}
     del seq["overlap_wait"]
     runs = [_phase_run(FLOOR_LABELS["pd"], 12.0, 0.0), _phase_run(FLOOR_LABELS["colocated"], 11.0, 0.0),
+            _phase_run(CACHED_FLOOR_LABEL, 15.0, 0.0),
             _phase_run("pd", 130.0, 0.0105, ov), _phase_run("pd-sequential", 135.0, 0.0110, seq),
             _phase_run("colocated-router", 100.0, 0.0100), _phase_run("colocated-direct", 99.5, 0.0100)]
-    runs[3].metrics["decode_engine"] = {"engine_ttft_ms": 22.5, "engine_queue_ms": 8.0, "engine_prefill_ms": 14.5}
+    runs[4].metrics["decode_engine"] = {"engine_ttft_ms": 22.5, "engine_queue_ms": 8.0, "engine_prefill_ms": 14.5}
     [row] = comparison(runs)
     assert row["pd_floor_ttft_p50_ms"] == pytest.approx(12.0)
     assert row["colocated_floor_ttft_p50_ms"] == pytest.approx(11.0)
+    assert row["pd_cached_floor_ttft_p50_ms"] == pytest.approx(15.0)
     assert row["handoff_over_floor_ms"] == pytest.approx(18.0)  # 130 - 100 - 12
     assert row["sequential_handoff_over_floor_ms"] == pytest.approx(23.0)
     assert row["tpot_connector_ratio"] == pytest.approx(1.05)
@@ -155,6 +157,7 @@ def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connect
     assert "18.0 ms overlapped, 23.0 ms in sequence" in text and "x1.050" in text
     decode_line = next(line for line in lines if PHASES["decode_first_token"] in line)
     assert decode_line.split()[5:7] == ["19.00", "24.00"] and "floor 12.0" in decode_line
+    assert "in its cache 15.0" in decode_line and "already holds (its own prefix cache, c=1): 15.0 ms" in text
     total = next(line for line in lines if "sum:" in line)
     assert total.split()[6:8] == ["129.60", "135.00"]  # the phases, added up
     engine = [line for line in lines if "decode engine's own view" in line]
