@@ -10,6 +10,7 @@
 #   tests            the GPU tests of the kernels and the connector's copy path and stream order
 #   tests-pd         the P/D stack tests (PDSERVE_TEST_ARCHS picks the models; default both)
 #   bench-2k         pdserve bench serve --compare, 2k-token prompts, c=1 and 8
+#   bench-2k-c1      the same at c=1 only, 24 prompts (a steadier p50 for the c=1 handoff; about 200 s)
 #   bench-8k         the same at 8k-token prompts
 #   bench-connector  pdserve bench connector at 8k and 32k tokens
 #   v4               does this vLLM run a tiny DeepSeek-V4 (fp8_ds_mla), and does the connector save it
@@ -21,10 +22,12 @@ source "$(dirname "${BASH_SOURCE[0]}")/host_env.sh"
 export ENGINE_ARGS="${ENGINE_ARGS:-}"
 LIMIT="${STEP_LIMIT:-540}"
 
-bench_serve() {  # INPUT_LEN
+bench_serve() {  # INPUT_LEN NUM_PROMPTS CONCURRENCY...
+    local len=$1 prompts=$2
+    shift 2
     # shellcheck disable=SC2086
-    pdserve bench serve --compare --model /tmp/tiny-deepseek_v3 --input-len "$1" --output-len 128 \
-        --num-prompts 16 --max-concurrency 1 8 --disable-tqdm --result-dir /tmp/bench-results -- \
+    pdserve bench serve --compare --model /tmp/tiny-deepseek_v3 --input-len "$len" --output-len 128 \
+        --num-prompts "$prompts" --max-concurrency "$@" --disable-tqdm --result-dir /tmp/bench-results -- \
         --load-format dummy --max-model-len 16384 --max-num-seqs 16 $ENGINE_ARGS --kv-cache-memory-bytes 8589934592
 }
 export -f bench_serve
@@ -37,8 +40,9 @@ for s in "$@"; do
     install) step install 120 install_pdserve ;;
     tests) step tests "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider "${GPU_TESTS[@]/#/$REPO/tests/}" ;;
     tests-pd) step tests-pd "$LIMIT" python3 -m pytest -v -m gpu -p no:cacheprovider "$REPO/tests/test_gpu_pd.py" ;;
-    bench-2k) step bench-2k "$LIMIT" bench_serve 2048 ;;
-    bench-8k) step bench-8k "$LIMIT" bench_serve 8192 ;;
+    bench-2k) step bench-2k "$LIMIT" bench_serve 2048 16 1 8 ;;
+    bench-2k-c1) step bench-2k-c1 "$LIMIT" bench_serve 2048 24 1 ;;
+    bench-8k) step bench-8k "$LIMIT" bench_serve 8192 16 1 8 ;;
     bench-connector)
         step bench-connector "$LIMIT" pdserve bench connector --model /tmp/tiny-deepseek_v3 --lengths 8192 32768 \
             --repeats 3 -- --kv-cache-memory-bytes 8589934592 --max-num-batched-tokens 32832 ;;
