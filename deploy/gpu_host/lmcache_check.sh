@@ -4,16 +4,17 @@
 # Run from the checkout root on the host, after GPU vLLM (../shared/tools/gpu-vllm) and pdserve
 # are installed in /tmp/site, with .lmcache-gpu/ carried beside the checkout:
 #     bash deploy/gpu_host/lmcache_check.sh
-# .lmcache-gpu/ holds LMCache 0.5.3 (its CUDA extension lmcache/c_ops links only symbols torch
-# 2.11.0+cu130 exports) and the one wheel neither the host nor the vLLM bundle has
-# (opentelemetry-exporter-prometheus, imported by `lmcache server`'s metrics), plus LMCache 0.5.6 in
-# lmcache-0.5.6/, whose lmcache/cuda_ops needs c10::NotImplementedError(SourceLocation, std::string)
-# from torch >= 2.12: it is only imported, in a folder of its own, to show that error.
+# .lmcache-gpu/ holds what deploy/gpu_host/lmcache_wheels.sh builds: LMCache (0.5.6 by default) compiled
+# from its sdist against the host's torch 2.11.0+cu130, and the wheels neither the host nor the vLLM bundle
+# has (opentelemetry-exporter-prometheus, imported by `lmcache server`'s metrics; sortedcontainers).
+# Optionally PyPI's own 0.5.6 wheel in lmcache-0.5.6/, only imported, in a folder of its own, to show
+# why it does not load there: its lmcache/cuda_ops needs c10::NotImplementedError(SourceLocation,
+# std::string) from torch >= 2.12.
 # Steps (each under `timeout`; everything logs to $OUT/lmcache_check.log):
 #   1. install .lmcache-gpu/*.whl into /tmp/site (no index, no deps)
 #   2. versions of what LMCache leans on (torch, numpy, numba, cupy, cuda-bindings, msgspec, pyzmq)
-#   3. LMCache 0.5.6 `import lmcache.cuda_ops` (expected to fail on torch 2.11: the full error is
-#      printed), then 0.5.3's `import lmcache.c_ops` (must load)
+#   3. PyPI's LMCache 0.5.6 `import lmcache.cuda_ops` if its wheel is there (expected to fail on torch
+#      2.11: the full error is printed), then the installed LMCache's CUDA extension (must load)
 #   4. the MP connector and the server modules import
 #   5. `lmcache server` on loopback with the seeds' flags (small L1)
 #   6. one tiny DeepSeek-V3 engine (bf16 MLA) with LMCacheMPConnector as kv_both, vLLM's own prefix

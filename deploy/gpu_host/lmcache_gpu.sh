@@ -4,13 +4,13 @@
 # Run on the host (from anywhere: host_env.sh moves to /tmp), after GPU vLLM is installed in /tmp/site,
 # with .lmcache-gpu/ carried beside the checkout (15 MiB; the install step merges its wheels into
 # /tmp/site; deploy/gpu_host/lmcache_check.sh diagnoses a host where that fails). Build it here with
-#     pip download -d .lmcache-gpu --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#         --platform manylinux_2_28_x86_64 lmcache==0.5.3 opentelemetry-exporter-prometheus==0.61b0 sortedcontainers==2.4.0
-# (0.5.3: its CUDA extension links only symbols torch 2.11.0+cu130 exports; 0.5.6's needs torch >= 2.12):
+#     bash deploy/gpu_host/lmcache_wheels.sh
+# (LMCache 0.5.6 compiled from its sdist against the host's torch 2.11.0+cu130: PyPI's 0.5.6 wheel
+# links symbols only torch >= 2.12 exports; 0.5.3's PyPI wheel runs there as it is):
 #
 #     bash deploy/gpu_host/lmcache_gpu.sh install tests     # one device call each (measured on the H200
-#     bash deploy/gpu_host/lmcache_gpu.sh bench-2k          # host: install 61 s, the tests' first model
-#     bash deploy/gpu_host/lmcache_gpu.sh bench-tail        # 116 s; bench-2k did not finish in 270 s)
+#     bash deploy/gpu_host/lmcache_gpu.sh bench-2k          # host with 0.5.6: install 63 s, tests 229 s,
+#     bash deploy/gpu_host/lmcache_gpu.sh bench-tail        # bench-2k 327 s, bench-tail 216 s)
 #
 # Steps (each bounded by `timeout`, its whole log in $OUT/<step>.log, its tail printed):
 #   install    pdserve and .lmcache-gpu's wheels into /tmp/site (no index, no deps), tiny models
