@@ -8,7 +8,7 @@
 # torch GPU vLLM 0.23-0.26 pins (2.11.0+cu130), as do the seeds' fork and its users. So this builds
 # LMCache's release sdist against that torch, the way LMCache documents a source build for another
 # torch (`--no-build-isolation` with torch already installed): same Python code, extensions compiled
-# for the host's torch. About 25 minutes on 2 cores (nvcc, one architecture).
+# for the host's torch. About 11 minutes on 2 cores (fresh venv, torch download, nvcc for one architecture).
 #
 #   LMCACHE_VERSION=0.5.6 TORCH_VERSION=2.11.0 TORCH_CUDA_ARCH_LIST=9.0 bash deploy/gpu_host/lmcache_wheels.sh
 #
@@ -22,6 +22,8 @@ TORCH_VERSION="${TORCH_VERSION:-2.11.0}"
 PYTHON="${PYTHON:-python3.12}"  # the host's Python
 BUILD_VENV="${BUILD_VENV:-/tmp/lmcache-build-venv}"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
+    || { echo "PYTHON=$PYTHON is not a Python 3.12 (the host's): set PYTHON to one" >&2; exit 1; }
 command -v nvcc >/dev/null || { echo "nvcc not found: LMCache's CUDA extension needs the CUDA toolkit" >&2; exit 1; }
 # the toolkit's root: torch takes CUDA_HOME or guesses it from nvcc's folder, wrong for a wrapper script
 # such as /usr/local/bin/nvcc (then its headers are not found)
