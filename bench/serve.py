@@ -57,8 +57,9 @@ FLOOR_LABELS = {"pd": "pd-decode-floor", "colocated": "colocated-floor"}
 FLOOR_PROMPT_TOKENS = 16
 FLOOR_PROMPTS = 10
 # And the decode engine's TTFT for a prompt of the benchmark's length whose KV it already holds (vLLM's
-# prefix cache: the prompt sent once before, unmeasured): its last token's step over a long context, which
-# a decode leg pays whatever moved its KV there. Its gap to the short-prompt floor is no connector's doing.
+# prefix cache: the prompt sent once before, unmeasured): what a decode leg in sequence costs with nothing
+# to load (its API server tokenizing the text, the last token's step over the whole context). Its gap to
+# the short-prompt floor is no connector's doing.
 CACHED_FLOOR_LABEL = "pd-decode-cached-floor"
 
 
@@ -570,7 +571,8 @@ def floor_and_phase_lines(row: dict[str, Any]) -> list[str]:
         f"{row['colocated_floor_ttft_p50_ms']:.1f} ms; handoff p50 minus the decode engine's floor: "
         f"{row['handoff_over_floor_ms']:.1f} ms overlapped, {row['sequential_handoff_over_floor_ms']:.1f} ms in sequence",
         f"  the P/D decode engine's TTFT p50 for a prompt of this length whose KV it already holds (its own prefix "
-        f"cache, c=1): {row['pd_cached_floor_ttft_p50_ms']:.1f} ms (the last token's step over the whole context)",
+        f"cache, c=1): {row['pd_cached_floor_ttft_p50_ms']:.1f} ms (the text tokenized, the last token's step over "
+        f"the whole context: a decode leg in sequence with nothing to load)",
         f"  connector's cost to decode: TPOT p50 {row['pd_tpot_p50_ms']:.2f} ms P/D "
         f"({row['sequential_tpot_p50_ms']:.2f} in sequence) vs {row['colocated_tpot_p50_ms']:.2f} ms on the "
         f"colocated engine, which runs without a connector: x{row['tpot_connector_ratio']:.3f}"
@@ -753,10 +755,12 @@ def cached_floor(cfg: BenchConfig, engine_url: str, tokenizer: Any) -> list[Run]
     blocks still cached."""
     floor = BenchConfig(**{**asdict(cfg), "output_len": 1, "num_prompts": FLOOR_PROMPTS, "num_warmups": 0,
                            "goodput": {}})
-    seed = cfg.seed + 2
-    for label in ("cached-floor-warm", CACHED_FLOOR_LABEL):
-        runs = asyncio.run(bench_endpoint(floor, engine_url, label, PromptSource(tokenizer, cfg.input_len, seed), [1]))
-    return runs
+    def one_pass(label: str) -> list[Run]:
+        return asyncio.run(bench_endpoint(floor, engine_url, label, PromptSource(tokenizer, cfg.input_len, cfg.seed + 2),
+                                          [1]))
+
+    one_pass("cached-floor-warm")
+    return one_pass(CACHED_FLOOR_LABEL)
 
 
 def lmcache_runs(cfg: BenchConfig, bench: BenchConfig, prompts: PromptSource, stack: Any) -> list[Run]:
