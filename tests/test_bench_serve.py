@@ -157,7 +157,7 @@ def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connect
     assert "18.0 ms overlapped, 23.0 ms in sequence" in text and "x1.050" in text
     decode_line = next(line for line in lines if PHASES["decode_first_token"] in line)
     assert decode_line.split()[5:7] == ["19.00", "24.00"] and "floor 12.0" in decode_line
-    assert "in its cache 15.0" in decode_line and "already holds (its own prefix cache, c=1): 15.0 ms" in text
+    assert "in its cache 15.0 (p50)" in decode_line and "already holds (its own prefix cache, c=1): 15.0 ms" in text
     total = next(line for line in lines if "sum:" in line)
     assert total.split()[6:8] == ["129.60", "135.00"]  # the phases, added up
     engine = [line for line in lines if "decode engine's own view" in line]
