@@ -35,6 +35,10 @@ class RouterConfig:
     # when an overlapped decode leg goes out: "estimate" (at the prefill's predicted end less the decode
     # ingest, once both are measured), or "start" (with the prefill leg, where a held leg costs nothing)
     pd_overlap_send: Literal["estimate", "start"] = "estimate"
+    # stream the prefill leg's token as the first one and send the decode leg the prompt plus it (the legs in
+    # sequence), for the streamed completions that one sampled token can be handed over without changing
+    # what the request means (first_token.py); the others keep the default flow
+    pd_first_token: bool = False
     pd_queue_aware: bool = True  # decode-only when the prefill queue would delay a prompt more than recomputing it
     pd_queue_poll_interval: float = 0.5  # seconds between scrapes of each worker's /metrics (its queue)
     api_key: str | None = None
@@ -101,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when an overlapped decode leg goes out: at the prefill's predicted end less the decode "
                         "engine's ingest (estimate; a held leg keeps vLLM's CPU engines stepping), or with the "
                         "prefill leg (start)")
+    p.add_argument("--pd-first-token", action=argparse.BooleanOptionalAction, default=d["pd_first_token"].default,
+                   help="stream the token the prefill leg generated as the first one, then the decode leg's "
+                        "(sent the prompt plus that token): P/D TTFT becomes the prefill's, the decode leg's "
+                        "time moves to the second token; streamed completions without logprobs, stop strings, "
+                        "penalties, seeds or structured output only, the rest as without it")
     p.add_argument("--pd-queue-aware", action=argparse.BooleanOptionalAction, default=d["pd_queue_aware"].default,
                    help="send a prompt decode-only when the prefill workers' queue would delay it more than "
                         "recomputing it on a decode worker costs (both measured from finished requests)")
@@ -151,6 +160,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             pd_max_cached_fraction=a.pd_max_cached_fraction,
             pd_overlap=a.pd_overlap,
             pd_overlap_send=a.pd_overlap_send,
+            pd_first_token=a.pd_first_token,
             pd_queue_aware=a.pd_queue_aware,
             pd_queue_poll_interval=a.pd_queue_poll_interval,
             api_key=a.api_key,

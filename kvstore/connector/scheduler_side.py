@@ -57,6 +57,7 @@ class LoadPlan:
     wait_s: float
     store_url: str | None = None  # the producer's store, when it is not ours
     store_id: str | None = None  # the id the producer's store announced
+    tail_end: int | None = None  # where the tail ends, when the producer's prompt is a prefix of ours
 
 
 @dataclass
@@ -158,21 +159,27 @@ class SchedulerSide:
         return LoadPlan(len(state.keys), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s, store_url, store_id)
 
     def _handoff_plan(self, state: ReqState, params: dict) -> LoadPlan | None:
-        """The producer's promise, if it was made for exactly this prompt in our namespace."""
+        """The producer's promise, if it was made in our namespace for this prompt, or for the start of it:
+        a router that streams the prefill's first token sends the decode leg the prompt plus that token,
+        whose KV the decode engine computes. A prompt that only starts with the producer's needs the
+        producer's whole-prompt digest to match its start (chunk keys cover whole chunks only)."""
         if params.get(PARAMS_TAG) != 1 or params.get("namespace") != self.namespace:
             return None
         promised = [bytes.fromhex(k) for k in params.get("chunk_keys", [])]
+        made_for = params.get("num_tokens")
         digest = params.get("prompt_digest")  # absent from producers before it: keys and length decide
-        if (promised != state.keys[: len(promised)] or params.get("num_tokens") != len(state.prompt)
-                or (digest is not None and digest != prompt_digest(state.prompt, state.salt))):
+        prefix = isinstance(made_for, int) and 0 < made_for < len(state.prompt)
+        if (promised != state.keys[: len(promised)] or not (made_for == len(state.prompt) or (prefix and digest))
+                or (digest is not None and digest != prompt_digest(state.prompt[:made_for], state.salt))):
             log.warning("kv_transfer_params do not match this prompt; ignoring them")
             return None
         tail_id = params.get("tail_id")
         end = len(promised) * self.chunk_size
         if tail_id:
-            end = len(state.prompt)
+            end = made_for
         store_url, store_id = self._producer_store(params)
-        return LoadPlan(len(promised), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s, store_url, store_id)
+        return LoadPlan(len(promised), min(end, len(state.prompt) - 1), tail_id, self.handoff_wait_s, store_url, store_id,
+                        tail_end=made_for if tail_id else None)
 
     def _producer_store(self, params: dict) -> tuple[str | None, str | None]:
         """(URL, id) of the store the producer wrote to; URL None when that is our own store."""
@@ -224,7 +231,7 @@ class SchedulerSide:
         state = self._state(request)
         state.load_issued = True
         num_computed = plan.load_end - num_external
-        tail_end = len(state.prompt) if plan.tail_id else None
+        tail_end = (plan.tail_end or len(state.prompt)) if plan.tail_id else None
         objects = plan_objects(
             self.geometries,
             block_ids,

@@ -45,6 +45,7 @@ class Call:
     finished: bool = False  # the decode leg completed (its worker consumed the tail)
     recompute: Recompute | None = None  # sent decode-only for the prefill queue: counted until its first token
     producer_watch: ProducerWatch | None = None  # an overlapped decode leg's producer, watched until its first token
+    token_shown: bool = False  # the client has its first token already (the prefill's: first_token.py)
 
     @property
     def model(self) -> str | None:

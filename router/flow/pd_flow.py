@@ -57,6 +57,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.flow.call import Call, ClientWatch
 from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs, drop_leg
 from pdserve.router.flow.paths import PathPlanner
+from pdserve.router.flow import first_token
 from pdserve.router.flow.prefill_leg import PrefillLeg, decode_payload, overlap_params, prompt_ids
 from pdserve.router.flow.producer_watch import ProducerWatch
 from pdserve.router.flow.relay import EventStream, Relay
@@ -126,6 +127,8 @@ class PDFlow:
 
     async def _serve(self, call: Call) -> Response:
         path, ctx = await self.paths.plan(call)
+        if path == "pd" and self.cfg.pd_first_token and first_token.eligible(call):
+            return await self._serve_first_token(call, ctx)
         if path == "pd" and self.cfg.pd_overlap:
             return await self._serve_overlapped(call, ctx)
         t_prefill_done: float | None = None
@@ -145,6 +148,27 @@ class PDFlow:
         if call.prefill_worker is not None:
             await self.lmcache.wait_stored(call.prefill_worker, prompt_ids(data), call.body.get("cache_salt"))
         return "pd", decode_payload(call, data), t_prefill_done
+
+    async def _serve_first_token(self, call: Call, ctx: RouteContext) -> Response:
+        """The legs in sequence, the prefill's token streamed as the first (first_token.py) while the decode
+        leg, sent the prompt plus that token, is opened; the default flow when the prefill did not hand one."""
+        data = await self.prefill_leg.run(call, ctx)
+        handed = first_token.handed_token(data)
+        if handed is None:
+            path, payload, t_prefill_done = await self._after_prefill(call, data)
+            self.metrics.series(self.metrics.paths, path).inc()
+            return await self._respond(call, await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done))
+        token, text = handed
+        self.metrics.series(self.metrics.paths, "pd_first_token").inc()
+        opening = asyncio.ensure_future(self._open_after_handed(call, data, token, ctx))
+        return EventStream(self.relay.stream_handed(call, first_token.first_chunk(call, text), opening),
+                           headers={"X-Request-Id": call.request_id})
+
+    async def _open_after_handed(self, call: Call, data: dict[str, Any], token: int, ctx: RouteContext) -> DecodeLeg:
+        t_prefill_done = time.perf_counter()
+        if call.prefill_worker is not None:  # on LMCache, once its server holds the prompt's chunks
+            await self.lmcache.wait_stored(call.prefill_worker, prompt_ids(data), call.body.get("cache_salt"))
+        return await self.decode_legs.open(call, first_token.decode_body(call, data, token), ctx, set(), t_prefill_done)
 
     async def _serve_overlapped(self, call: Call, ctx: RouteContext) -> Response:
         """The legs under one handoff id, when the chosen prefill worker's store is known; else in sequence.

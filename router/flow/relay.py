@@ -19,6 +19,8 @@ import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+import asyncio
+
 from pdserve.router.errors import RouterError
 from pdserve.router.flow.call import Call, UpstreamResponse
 from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs, pd_phases
@@ -163,9 +165,60 @@ class Relay:
             self.metrics.series(self.metrics.requests, call.route, outcome).inc()
             self.end(call)
 
-    def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float, relay_s: float) -> None:
+    async def stream_handed(self, call: Call, lead: bytes, opening: "asyncio.Future[DecodeLeg]") -> AsyncGenerator[bytes, None]:
+        """A stream whose first token the prefill made (first_token.py): `lead` at once, then the decode leg
+        `opening` sends, relayed as `stream` does (retried elsewhere until its own first token)."""
+        now = time.perf_counter()
+        call.token_shown = True
+        leg: DecodeLeg | None = None
+        try:
+            try:
+                yield lead
+            finally:
+                self._observe_handed_token(call, now, time.perf_counter() - now)
+            leg = await opening
+        except RouterError as err:  # no decode worker took it: the answer ends after its first token
+            yield err.sse_event()
+            self.metrics.series(self.metrics.requests, call.route, str(err.status)).inc()
+            self.end(call)
+            return
+        except BaseException:  # the client left (or the router stops) before the decode leg answered
+            if not opening.done():
+                opening.cancel()
+            elif not opening.cancelled() and opening.exception() is None:
+                opening.result().slot.abandon()
+                opening.result().resp.close()
+            if leg is None:
+                self.metrics.series(self.metrics.requests, call.route, "499").inc()
+                self.end(call)
+            raise
+        if leg.resp.status != 200:  # the decode engine refused it: its error, as an event after the token
+            body = await leg.resp.read()
+            leg.slot.answered()
+            leg.resp.close()
+            yield UpstreamResponse(leg.resp.status, body).sse_event()
+            self.metrics.series(self.metrics.requests, call.route, str(leg.resp.status)).inc()
+            self.end(call)
+            return
+        async for chunk in self.stream(call, leg):
+            yield chunk
+
+    def _observe_handed_token(self, call: Call, now: float, relay_s: float) -> None:
+        """TTFT and the phases of a stream whose first token the prefill made: the router before its first call,
+        the prefill leg, the router's work on the answer (between the legs), no decode leg, relaying."""
         self.metrics.series(self.metrics.ttft, call.route).observe(now - call.t0)
+        t_first = call.t_first_call if call.t_first_call is not None else now
+        t_answer = call.t_prefill_answer if call.t_prefill_answer is not None else now
+        self.metrics.observe_phases({"before_first_call": t_first - call.t0, "prefill_leg": t_answer - t_first,
+                                     "between_legs": now - t_answer, "decode_first_token": 0.0, "relay": relay_s})
+        self.metrics.handoff.observe(now - t_answer)
+        self.metrics.overhead.observe(t_first - call.t0 + now - t_answer + relay_s)
+
+    def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float, relay_s: float) -> None:
         self.metrics.series(self.metrics.leg, "decode").observe(now - leg.t_sent)
+        if call.token_shown:  # TTFT and its phases were the prefill's token's (stream_handed)
+            return
+        self.metrics.series(self.metrics.ttft, call.route).observe(now - call.t0)
         if call.recompute is not None:
             call.recompute.first_token(leg.slot.worker, leg.t_sent, now)
         own = (call.t_first_call or leg.t_sent) - call.t0 + relay_s

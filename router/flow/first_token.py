@@ -1,0 +1,96 @@
+"""The prefill's token as the stream's first (`--pd-first-token`): P/D TTFT becomes the prefill leg's.
+
+The prefill leg samples one token (max_tokens=1) and, by default, the router drops it: the
+decode leg recomputes the last prompt token from the transferred KV and samples the first
+token itself, so P/D TTFT is the prefill leg plus the whole decode leg. With this mode the
+router streams the prefill's token at once and sends the decode leg the prompt's token ids
+plus that token (max_tokens one less); the decode engine loads the prompt's KV (its connector
+takes params made for the start of its prompt) and computes the handed token's, the step it
+would otherwise spend on the last prompt token. The decode leg's time moves to the second
+token.
+
+One sampled token can be handed over only where the rest of the answer does not depend on
+the engine having sampled it itself: streamed completions with n=1 and no logprobs, echo,
+stop strings, penalties, min_tokens, seed, logit bias, structured output or usage chunk
+(`eligible`, an allow-list: anything it does not know keeps the default flow). Greedy
+requests give the colocated engine's tokens; sampled ones a sample from the same
+distribution, as any two runs do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from pdserve.router.flow.call import Call
+from pdserve.router.flow.prefill_leg import prompt_ids
+
+# Fields that do not depend on which engine sampled a token (or are checked by the router itself).
+_FREE = frozenset({
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stream", "user", "ignore_eos",
+    "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "cache_salt", "priority",
+    "add_special_tokens",
+})
+# Fields allowed only at their neutral values: the defaults of vLLM's completion request.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "stop": (None, [], ""),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "seed": (None,), "min_tokens": (None, 0), "logit_bias": (None, {}), "stream_options": (None,),
+    "suffix": (None,), "prompt_logprobs": (None,),
+}
+
+
+def eligible(call: Call) -> bool:
+    """Whether the prefill's token may open this request's stream (see the module's docstring)."""
+    body = call.body
+    if call.route != "completions" or body.get("stream") is not True or call.prompt_ids is None:
+        return False
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 2):
+        return False
+    return all(k in _FREE or (k in _NEUTRAL and _is_neutral(body[k], _NEUTRAL[k])) for k in body)
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # `type(...) is` keeps True from passing for 1 and False for 0
+    return any(value == n and type(value) is type(n) for n in neutral)
+
+
+def handed_token(data: dict[str, Any] | None) -> tuple[int, str] | None:
+    """(id, text) of the token a prefill response generated, when the answer goes on after it; None when
+    the prefill failed, stopped at that token (the decode leg then ends the answer the default way) or
+    did not report the token's id."""
+    choices = (data or {}).get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    ids, text = choice.get("token_ids"), choice.get("text")
+    if choice.get("finish_reason") != "length" or not isinstance(text, str):
+        return None
+    if not (isinstance(ids, list) and len(ids) == 1 and type(ids[0]) is int):
+        return None
+    return ids[0], text
+
+
+def decode_body(call: Call, prefill: dict[str, Any], token: int) -> bytes:
+    """The decode leg's body: the client's, its prompt as the prefill's token ids plus the handed token,
+    one token fewer to generate, and the prefill's kv_transfer_params."""
+    body: dict[str, Any] = {**call.body, "prompt": [*(prompt_ids(prefill) or call.prompt_ids or []), token]}
+    if body.get("max_tokens") is not None:
+        body["max_tokens"] -= 1
+    if call.kv_params:
+        body["kv_transfer_params"] = call.kv_params
+    return msgspec.json.encode(body)
+
+
+def first_chunk(call: Call, text: str) -> bytes:
+    """The handed token as the stream's first event, shaped as vLLM's own completion chunks (its id is
+    `cmpl-` and the X-Request-Id the router gives both legs, so the decode leg's chunks carry the same)."""
+    event = {
+        "id": f"cmpl-{call.request_id}", "object": "text_completion", "created": int(time.time()),
+        "model": call.body.get("model"),
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}],
+    }
+    return b"data: " + msgspec.json.encode(event) + b"\n\n"
