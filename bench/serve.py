@@ -455,6 +455,9 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "sequential_router_handoff_mean_ms": (seq or {}).get("router", {}).get("handoff_mean_ms", math.nan),
             "sequential_decode_loads": (seq or {}).get("decode_loads", {}),
             "at_start_handoff_p50_ms": _stat(by.get(("pd-overlap-start", conc)), "ttft_ms", "p50") - coloc_ttft,
+            "first_token_handoff_p50_ms": _stat(by.get(("pd-first-token", conc)), "ttft_ms", "p50") - coloc_ttft,
+            "first_token_tpot_p50_ms": _stat(by.get(("pd-first-token", conc)), "tpot_ms", "p50"),
+            "first_token_itl_p99_ms": _stat(by.get(("pd-first-token", conc)), "itl_ms", "p99"),
             "ttft_mean_ms": {"pd": _stat(pd, "ttft_ms", "mean"), "sequential": _stat(seq, "ttft_ms", "mean"),
                              "colocated": coloc["ttft_ms"]["mean"], "direct": direct["ttft_ms"]["mean"]},
             "phases": {"overlap": phase_means(pd), "sequential": phase_means(seq)},
@@ -547,6 +550,10 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
         if not math.isnan(row["at_start_handoff_p50_ms"]):
             print(f"  decode leg sent with the prefill leg (--pd-overlap-send start): handoff overhead "
                   f"{row['at_start_handoff_p50_ms']:.1f} ms")
+        if not math.isnan(row["first_token_handoff_p50_ms"]):
+            print(f"  the prefill's token streamed first (--pd-first-token): handoff overhead "
+                  f"{row['first_token_handoff_p50_ms']:.1f} ms; TPOT p50 {row['first_token_tpot_p50_ms']:.2f} ms, "
+                  f"ITL p99 {row['first_token_itl_p99_ms']:.2f} ms (the decode leg is the second token's wait)")
         for line in floor_and_phase_lines(row):
             print(line)
     backends = [(row["max_concurrency"], name, b) for row in rows for name, b in row["backends"].items()]
@@ -705,16 +712,19 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
         with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), \
                 second_router(pd, "--no-pd-overlap") as sequential_url, \
                 second_router(pd, "--no-pd-queue-aware") as blind_url, \
-                second_router(pd, "--pd-overlap-send", "start") as at_start_url:
+                second_router(pd, "--pd-overlap-send", "start") as at_start_url, \
+                second_router(pd, "--pd-first-token") as first_token_url:
             decode_url, prefill_url = pd.worker_urls("decode")[0], pd.worker_urls("prefill")[0]
             runs += engine_floor(bench, decode_url, FLOOR_LABELS["pd"], floor_prompts)
             runs += cached_floor(bench, decode_url, tokenizer)
             for n, conc in enumerate(cfg.max_concurrency):
                 # The stack's router overlaps the legs and skips a long prefill queue (the defaults);
                 # the second sends the legs in sequence, the third always disaggregates, the fourth
-                # sends an overlapped decode leg with its prefill leg instead of at the predicted end.
+                # sends an overlapped decode leg with its prefill leg instead of at the predicted end, the
+                # fifth streams the prefill's token first and sends the decode leg after it.
                 for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url),
-                                   ("pd-queue-blind", blind_url), ("pd-overlap-start", at_start_url)):
+                                   ("pd-queue-blind", blind_url), ("pd-overlap-start", at_start_url),
+                                   ("pd-first-token", first_token_url)):
                     before, paths_before = read_counters(decode_url), router_paths(url)
                     saves_before = read_counters(prefill_url)
                     level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc],

@@ -22,7 +22,9 @@ def _call(body: dict[str, Any], route: str = "completions", ids: list[int] | Non
 
 @pytest.mark.parametrize("extra", [{}, {"n": 1}, {"stop": []}, {"logprobs": None}, {"presence_penalty": 0},
                                    {"repetition_penalty": 1.0}, {"top_k": 5, "ignore_eos": True},
-                                   {"stop_token_ids": [3]}, {"max_tokens": 2}, {"cache_salt": "s"}])
+                                   {"stop_token_ids": [3]}, {"max_tokens": 2}, {"cache_salt": "s"},
+                                   {"stream_options": {"include_usage": True}},
+                                   {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}])
 def test_plain_streamed_completions_are_eligible(extra: dict[str, Any]) -> None:
     assert first_token.eligible(_call({**BASE, **extra}))
 
@@ -30,7 +32,8 @@ def test_plain_streamed_completions_are_eligible(extra: dict[str, Any]) -> None:
 @pytest.mark.parametrize("extra", [{"stream": False}, {"n": 2}, {"logprobs": 1}, {"echo": True}, {"stop": ["x"]},
                                    {"presence_penalty": 0.5}, {"seed": 3}, {"min_tokens": 2}, {"max_tokens": 1},
                                    {"max_tokens": True}, {"n": True}, {"echo": 0}, {"logit_bias": {"5": 1}},
-                                   {"stream_options": {"include_usage": True}}, {"response_format": {"type": "json"}},
+                                   {"stream_options": {"include_usage": 1}}, {"stream_options": {"other": True}},
+                                   {"stream_options": "yes"}, {"response_format": {"type": "json"}},
                                    {"structured_outputs": {"regex": "a+"}}, {"return_token_ids": True},
                                    {"kv_transfer_params": {"x": 1}}, {"some_new_field": 1}])
 def test_anything_a_handed_token_could_change_keeps_the_default_flow(extra: dict[str, Any]) -> None:
@@ -79,3 +82,22 @@ def test_the_first_event_looks_like_vllms_chunks() -> None:
     assert event["id"] == "cmpl-req1" and event["object"] == "text_completion" and event["model"] == "m"
     assert event["choices"] == [{"index": 0, "text": " hi", "logprobs": None, "finish_reason": None,
                                  "stop_reason": None}]
+
+
+def _usage_event(prompt: int, completion: int) -> bytes:
+    return b"data: " + msgspec.json.encode({"id": "c", "choices": [], "usage": {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}) + b"\n\n"
+
+
+def test_usage_counts_the_handed_token_as_generated_wherever_the_chunks_cut() -> None:
+    token = b'data: {"id":"c","choices":[{"index":0,"text":"x"}],"usage":null}\n\n'
+    stream = token + _usage_event(601, 11) + b"data: [DONE]\n\n"
+    for cut in range(1, len(stream)):  # every way one upstream read could end
+        fix = first_token.UsageFix()
+        out = fix.feed(stream[:cut]) + fix.feed(stream[cut:]) + fix.rest()
+        events = [e for e in out.split(b"\n\n") if e]
+        assert events[0] + b"\n\n" == token and events[-1] == b"data: [DONE]"
+        assert msgspec.json.decode(events[1][len(b"data: "):])["usage"] == {
+            "prompt_tokens": 600, "completion_tokens": 12, "total_tokens": 612}
+    fix = first_token.UsageFix()
+    assert fix.feed(b"data: not json with \"usage\"\n\n") == b"data: not json with \"usage\"\n\n"

@@ -39,9 +39,17 @@ def _stream(base: str, body: dict) -> tuple[list[dict], str]:
 
 
 def _direct(stack: Stack, body: dict) -> str:
-    r = httpx.post(stack.decode.url + "/v1/completions", json={**body, "stream": False}, headers=HEADERS, timeout=120)
+    whole = {k: v for k, v in body.items() if k != "stream_options"}
+    r = httpx.post(stack.decode.url + "/v1/completions", json={**whole, "stream": False}, headers=HEADERS, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+def _prompt_tokens(stack: Stack, body: dict) -> int:
+    r = httpx.post(stack.decode.url + "/tokenize", json={"model": stack.model, "prompt": body["prompt"]},
+                   headers=HEADERS, timeout=60)
+    assert r.status_code == 200, r.text
+    return int(r.json()["count"])
 
 
 def _whole_first_token(stack: Stack, seeds: range) -> dict:
@@ -56,7 +64,7 @@ def _whole_first_token(stack: Stack, seeds: range) -> dict:
 
 
 def test_the_prefills_token_opens_the_stream_and_the_decode_engine_goes_on(pd_stack: Stack, router: Proc) -> None:
-    body = _whole_first_token(pd_stack, range(21, 61))
+    body = {**_whole_first_token(pd_stack, range(21, 61)), "stream_options": {"include_usage": True}}
     hits_before = metric(pd_stack.decode.url, "vllm:external_prefix_cache_hits_total")
     ttfts_before = metric(router.url, "pdserve_router_ttft_seconds_count")
     events, request_id = _stream(router.url, body)
@@ -64,7 +72,10 @@ def test_the_prefills_token_opens_the_stream_and_the_decode_engine_goes_on(pd_st
     assert text == _direct(pd_stack, body)  # the colocated engine's greedy answer, token for token
     assert sum(1 for e in events if e.get("choices")) == body["max_tokens"]  # one event per token, none twice
     assert {e["id"] for e in events} == {f"cmpl-{request_id}"}  # the handed token's event looks like the rest
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert [e for e in events if e.get("choices")][-1]["choices"][0]["finish_reason"] == "length"
+    # usage as the colocated engine counts it: the handed token is generated, not prompt
+    assert events[-1]["usage"]["completion_tokens"] == body["max_tokens"]
+    assert events[-1]["usage"]["prompt_tokens"] == _prompt_tokens(pd_stack, body)
     assert metric(router.url, "pdserve_router_paths_total", {"path": "pd_first_token"}) == 1
     assert events[0]["choices"][0]["text"] == _direct(pd_stack, {**body, "max_tokens": 1})  # the prefill's token
     assert metric(router.url, "pdserve_router_ttft_seconds_count") - ttfts_before == 1  # timed once, at the lead

@@ -11,8 +11,9 @@ token.
 
 One sampled token can be handed over only where the rest of the answer does not depend on
 the engine having sampled it itself: streamed completions with n=1 and no logprobs, echo,
-stop strings, penalties, min_tokens, seed, logit bias, structured output or usage chunk
-(`eligible`, an allow-list: anything it does not know keeps the default flow). Greedy
+stop strings, penalties, min_tokens, seed, logit bias or structured output (`eligible`, an
+allow-list: anything it does not know keeps the default flow). The decode engine counts the
+handed token as a prompt token; `UsageFix` moves it back to the completion in usage chunks. Greedy
 requests give the colocated engine's tokens; sampled ones a sample from the same
 distribution, as any two runs do.
 """
@@ -37,9 +38,10 @@ _FREE = frozenset({
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "logprobs": (None,), "stop": (None, [], ""),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "seed": (None,), "min_tokens": (None, 0), "logit_bias": (None, {}), "stream_options": (None,),
-    "suffix": (None,), "prompt_logprobs": (None,),
+    "seed": (None,), "min_tokens": (None, 0), "logit_bias": (None, {}), "suffix": (None,), "prompt_logprobs": (None,),
 }
+# stream_options may ask for usage (UsageFix counts the handed token where it belongs), nothing else.
+_USAGE_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
 def eligible(call: Call) -> bool:
@@ -50,7 +52,12 @@ def eligible(call: Call) -> bool:
     max_tokens = body.get("max_tokens")
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 2):
         return False
-    return all(k in _FREE or (k in _NEUTRAL and _is_neutral(body[k], _NEUTRAL[k])) for k in body)
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and set(options) <= _USAGE_OPTIONS
+                                    and all(type(v) is bool for v in options.values())):
+        return False
+    return all(k in _FREE or k == "stream_options" or (k in _NEUTRAL and _is_neutral(body[k], _NEUTRAL[k]))
+               for k in body)
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -97,3 +104,41 @@ def first_chunk(call: Call, text: str) -> bytes:
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}],
     }
     return b"data: " + msgspec.json.encode(event) + b"\n\n"
+
+
+class UsageFix:
+    """The decode leg's stream with the handed token counted as generated, not as prompt, in every usage
+    object (stream_options.include_usage, continuous_usage_stats). Events are patched whole: bytes after
+    the last complete event wait for the next chunk (or `rest`)."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._pending + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._pending = data
+            return b""
+        self._pending = data[end + 2:]
+        return b"\n\n".join(_fix_event(e) for e in data[: end + 2].split(b"\n\n"))
+
+    def rest(self) -> bytes:
+        data, self._pending = self._pending, b""
+        return data
+
+
+def _fix_event(event: bytes) -> bytes:
+    if not event.startswith(b"data: {") or b'"usage"' not in event:
+        return event
+    try:
+        obj = msgspec.json.decode(event[len(b"data: "):])
+    except msgspec.DecodeError:
+        return event
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not (isinstance(usage, dict) and type(usage.get("prompt_tokens")) is int
+            and type(usage.get("completion_tokens")) is int):
+        return event
+    usage["prompt_tokens"] -= 1
+    usage["completion_tokens"] += 1
+    return b"data: " + msgspec.json.encode(obj)

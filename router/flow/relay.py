@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 import asyncio
 
 from pdserve.router.errors import RouterError
+from pdserve.router.flow import first_token
 from pdserve.router.flow.call import Call, UpstreamResponse
 from pdserve.router.flow.decode_leg import DecodeLeg, DecodeLegs, pd_phases
 from pdserve.router.metrics import RouterMetrics
@@ -200,8 +201,12 @@ class Relay:
             self.metrics.series(self.metrics.requests, call.route, str(leg.resp.status)).inc()
             self.end(call)
             return
+        usage = first_token.UsageFix()
         async for chunk in self.stream(call, leg):
-            yield chunk
+            if fixed := usage.feed(chunk):
+                yield fixed
+        if rest := usage.rest():
+            yield rest
 
     def _observe_handed_token(self, call: Call, now: float, relay_s: float) -> None:
         """TTFT and the phases of a stream whose first token the prefill made: the router before its first call,
