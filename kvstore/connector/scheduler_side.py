@@ -166,10 +166,12 @@ class SchedulerSide:
         if params.get(PARAMS_TAG) != 1 or params.get("namespace") != self.namespace:
             return None
         promised = [bytes.fromhex(k) for k in params.get("chunk_keys", [])]
-        made_for = params.get("num_tokens")
+        count = params.get("num_tokens")
+        made_for: int = count if type(count) is int else -1  # the producer's prompt length
         digest = params.get("prompt_digest")  # absent from producers before it: keys and length decide
-        prefix = isinstance(made_for, int) and 0 < made_for < len(state.prompt)
-        if (promised != state.keys[: len(promised)] or not (made_for == len(state.prompt) or (prefix and digest))
+        whole = made_for == len(state.prompt)
+        start = 0 < made_for < len(state.prompt) and digest is not None
+        if (not (whole or start) or promised != state.keys[: len(promised)]
                 or (digest is not None and digest != prompt_digest(state.prompt[:made_for], state.salt))):
             log.warning("kv_transfer_params do not match this prompt; ignoring them")
             return None

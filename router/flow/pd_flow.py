@@ -153,8 +153,8 @@ class PDFlow:
         """The legs in sequence, the prefill's token streamed as the first (first_token.py) while the decode
         leg, sent the prompt plus that token, is opened; the default flow when the prefill did not hand one."""
         data = await self.prefill_leg.run(call, ctx)
-        handed = first_token.handed_token(data)
-        if handed is None:
+        handed = first_token.handed_token(data) if data is not None else None
+        if data is None or handed is None:
             path, payload, t_prefill_done = await self._after_prefill(call, data)
             self.metrics.series(self.metrics.paths, path).inc()
             return await self._respond(call, await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done))
