@@ -108,3 +108,12 @@ def test_requests_a_handed_token_could_change_take_the_default_flow(pd_stack: St
     r = httpx.post(router.url + "/v1/completions", json={**body, "logprobs": None}, headers=HEADERS, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == _direct(pd_stack, {**body, "logprobs": None})
     assert metric(router.url, "pdserve_router_paths_total", {"path": "pd_first_token"}) == before
+
+
+def test_a_request_the_decode_engine_refuses_is_its_error_not_a_token_then_an_error(pd_stack: Stack,
+                                                                                    router: Proc) -> None:
+    body = {**_whole_first_token(pd_stack, range(21, 61)), "max_tokens": 10**6, "stream": True}
+    r = httpx.post(router.url + "/v1/completions", json=body, headers=HEADERS, timeout=120)
+    direct = httpx.post(pd_stack.decode.url + "/v1/completions", json=body, headers=HEADERS, timeout=120)
+    assert r.status_code == direct.status_code == 400, r.text
+    assert r.json()["error"]["type"] == direct.json()["error"]["type"]

@@ -1,7 +1,7 @@
-"""`--pd-first-token` when things go wrong after the handed token reached the client (fast tier): a real
-`pdserve router` over stub workers. The client hangs up while the decode leg is being opened (the leg
-is aborted, the router keeps serving), and decode workers that fail give the client the token and an
-OpenAI error event, never a hang or a bare 5xx."""
+"""`--pd-first-token` when things go wrong around the handed token (fast tier): a real `pdserve router`
+over stub workers. The decode leg answers its headers before the client gets the token, so a decode
+engine that refuses the request gives the client its error response, as in the default flow; a client
+that hangs up before or after the token has its decode leg aborted, and the router serves on."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json
 import httpx
 from aiohttp import web
 
-from router_fixtures import metric, start_router, sse_events
+from router_fixtures import metric, start_router
 from worker_stubs import listening, worker_app
 
 BODY = {"model": "stub", "prompt": [5, 6, 7, 8], "max_tokens": 4, "stream": True, "temperature": 0.0}
@@ -44,43 +44,61 @@ class Workers:
         await r.read()
         self.decode_started.set()
         if self.decode_mode == "error":
-            return web.json_response({"error": {"message": "boom", "type": "InternalServerError"}}, status=500)
+            return web.json_response({"error": {"message": "too long", "type": "BadRequestError"}}, status=400)
         try:
-            await asyncio.sleep(3600)  # "hang": no headers until the router hangs up
+            if self.decode_mode == "slow":  # headers, then no token until the router hangs up
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(r)
+            await asyncio.sleep(3600)  # "hang": not even headers
         except asyncio.CancelledError:
             self.decode_aborted.set()
             raise
         return web.Response()
 
+    def reset(self, mode: str) -> None:
+        self.decode_mode = mode
+        self.decode_started.clear()
+        self.decode_aborted.clear()
 
-async def test_a_client_gone_after_the_handed_token_aborts_the_decode_leg() -> None:
+
+async def _aborts_counted(url: str, n: int) -> None:
+    for _ in range(100):
+        if metric(url, "pdserve_router_requests_total", {"status": "499"}) == n:
+            return
+        await asyncio.sleep(0.1)
+    assert metric(url, "pdserve_router_requests_total", {"status": "499"}) == n
+
+
+async def test_hang_ups_and_refusals_around_the_handed_token() -> None:
     w = Workers()
     async with listening(worker_app(w.ok, w.models, w.prefill), worker_app(w.ok, w.models, w.decode)) as (p, d):
         router = await asyncio.to_thread(start_router, "--prefill", p, "--decode", d, "--pd-min-prompt-tokens", "0",
                                          "--pd-first-token", "--no-pd-queue-aware")
         try:
             async with httpx.AsyncClient(timeout=30) as client:
+                # gone after the token: the decode leg (headers sent, no token yet) is aborted
+                w.reset("slow")
                 async with client.stream("POST", router.url + "/v1/completions", json=BODY) as r:
                     assert r.status_code == 200
-                    lines = r.aiter_lines()
-                    first = await anext(lines)
+                    first = await anext(r.aiter_lines())
                     assert json.loads(first[len("data: "):])["choices"][0]["text"] == " hi"
-                    await asyncio.wait_for(w.decode_started.wait(), 10)
-                # the client is gone: the router hangs up its decode leg (vLLM would abort the request)
                 await asyncio.wait_for(w.decode_aborted.wait(), 10)
-                for _ in range(100):
-                    if metric(router.url, "pdserve_router_requests_total", {"status": "499"}) == 1:
-                        break
-                    await asyncio.sleep(0.1)
-                assert metric(router.url, "pdserve_router_requests_total", {"status": "499"}) == 1
+                await _aborts_counted(router.url, 1)
 
-                # every decode worker failing: the token, then an OpenAI error event, and the stream ends
-                w.decode_mode = "error"
+                # gone before the token (the decode engine never answers its headers): aborted the same
+                w.reset("hang")
+                try:
+                    await client.post(router.url + "/v1/completions", json=BODY, timeout=1.0)
+                    raise AssertionError("the router answered without its decode leg's headers")
+                except httpx.ReadTimeout:
+                    pass
+                await asyncio.wait_for(w.decode_aborted.wait(), 10)
+                await _aborts_counted(router.url, 2)
+
+                # the decode engine refuses the request: its error is the response, no token before it
+                w.reset("error")
                 r = await client.post(router.url + "/v1/completions", json=BODY)
-                assert r.status_code == 200
-                events = sse_events(r.text.splitlines())
-                assert json.loads(events[0])["choices"][0]["text"] == " hi"
-                assert "error" in json.loads(events[-1])
+                assert r.status_code == 400 and r.json()["error"]["message"] == "too long"
                 assert (await client.get(router.url + "/health")).status_code == 200
             log = router.log_path.read_text(errors="replace")
             assert "Traceback" not in log and " ERROR " not in log, log[-3000:]

@@ -150,8 +150,9 @@ class PDFlow:
         return "pd", decode_payload(call, data), t_prefill_done
 
     async def _serve_first_token(self, call: Call, ctx: RouteContext) -> Response:
-        """The legs in sequence, the prefill's token streamed as the first (first_token.py) while the decode
-        leg, sent the prompt plus that token, is opened; the default flow when the prefill did not hand one."""
+        """The legs in sequence, the prefill's token streamed as the first (first_token.py) once the decode leg,
+        sent the prompt plus that token, has answered its headers; the default flow when the prefill did not
+        hand one."""
         data = await self.prefill_leg.run(call, ctx)
         handed = first_token.handed_token(data) if data is not None else None
         if data is None or handed is None:
@@ -160,8 +161,13 @@ class PDFlow:
             return await self._respond(call, await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done))
         token, text = handed
         self.metrics.series(self.metrics.paths, "pd_first_token").inc()
-        opening = asyncio.ensure_future(self._open_after_handed(call, data, token, ctx))
-        return EventStream(self.relay.stream_handed(call, first_token.first_chunk(call, text), opening),
+        # The decode leg's headers before the token: a request its engine refuses (its context too long
+        # for max_tokens, say) gets that engine's error as the response, as in the default flow, not a
+        # token and then an error event. It costs the first token the decode engine's ingest.
+        leg = await self._open_after_handed(call, data, token, ctx)
+        if leg.resp.status != 200:
+            return await self.decode_legs.unary(call, leg)
+        return EventStream(self.relay.stream_handed(call, first_token.first_chunk(call, text), leg),
                            headers={"X-Request-Id": call.request_id})
 
     async def _open_after_handed(self, call: Call, data: dict[str, Any], token: int, ctx: RouteContext) -> DecodeLeg:

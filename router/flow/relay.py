@@ -19,8 +19,6 @@ import msgspec
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-import asyncio
-
 from pdserve.router.errors import RouterError
 from pdserve.router.flow import first_token
 from pdserve.router.flow.call import Call, UpstreamResponse
@@ -166,41 +164,22 @@ class Relay:
             self.metrics.series(self.metrics.requests, call.route, outcome).inc()
             self.end(call)
 
-    async def stream_handed(self, call: Call, lead: bytes, opening: "asyncio.Future[DecodeLeg]") -> AsyncGenerator[bytes, None]:
-        """A stream whose first token the prefill made (first_token.py): `lead` at once, then the decode leg
-        `opening` sends, relayed as `stream` does (retried elsewhere until its own first token)."""
+    async def stream_handed(self, call: Call, lead: bytes, leg: DecodeLeg) -> AsyncGenerator[bytes, None]:
+        """A stream whose first token the prefill made (first_token.py): `lead` at once, then the decode leg's
+        events, relayed as `stream` does (retried elsewhere until its own first token), with usage fixed."""
         now = time.perf_counter()
         call.token_shown = True
-        leg: DecodeLeg | None = None
         try:
             try:
                 yield lead
             finally:
                 self._observe_handed_token(call, now, time.perf_counter() - now)
-            leg = await opening
-        except RouterError as err:  # no decode worker took it: the answer ends after its first token
-            yield err.sse_event()
-            self.metrics.series(self.metrics.requests, call.route, str(err.status)).inc()
-            self.end(call)
-            return
-        except BaseException:  # the client left (or the router stops) before the decode leg answered
-            if not opening.done():
-                opening.cancel()
-            elif not opening.cancelled() and opening.exception() is None:
-                opening.result().slot.abandon()
-                opening.result().resp.close()
-            if leg is None:
-                self.metrics.series(self.metrics.requests, call.route, "499").inc()
-                self.end(call)
-            raise
-        if leg.resp.status != 200:  # the decode engine refused it: its error, as an event after the token
-            body = await leg.resp.read()
-            leg.slot.answered()
+        except BaseException:  # the client left with the token: the decode leg is dropped (vLLM aborts it)
+            leg.slot.abandon()
             leg.resp.close()
-            yield UpstreamResponse(leg.resp.status, body).sse_event()
-            self.metrics.series(self.metrics.requests, call.route, str(leg.resp.status)).inc()
+            self.metrics.series(self.metrics.requests, call.route, "499").inc()
             self.end(call)
-            return
+            raise
         usage = first_token.UsageFix()
         async for chunk in self.stream(call, leg):
             if fixed := usage.feed(chunk):
