@@ -12,7 +12,7 @@ import httpx
 from aiohttp import web
 
 from router_fixtures import metric, start_router
-from worker_stubs import listening, worker_app
+from worker_stubs import healthy, listening, serves_stub, worker_app
 
 BODY = {"model": "stub", "prompt": [5, 6, 7, 8], "max_tokens": 4, "stream": True, "temperature": 0.0}
 
@@ -24,14 +24,6 @@ class Workers:
         self.decode_mode = "hang"
         self.decode_started = asyncio.Event()
         self.decode_aborted = asyncio.Event()
-
-    @staticmethod
-    async def ok(_r: web.Request) -> web.Response:
-        return web.Response()
-
-    @staticmethod
-    async def models(_r: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "stub", "object": "model"}]})
 
     @staticmethod
     async def prefill(r: web.Request) -> web.Response:
@@ -71,7 +63,7 @@ async def _aborts_counted(url: str, n: int) -> None:
 
 async def test_hang_ups_and_refusals_around_the_handed_token() -> None:
     w = Workers()
-    async with listening(worker_app(w.ok, w.models, w.prefill), worker_app(w.ok, w.models, w.decode)) as (p, d):
+    async with listening(worker_app(healthy, serves_stub, w.prefill), worker_app(healthy, serves_stub, w.decode)) as (p, d):
         router = await asyncio.to_thread(start_router, "--prefill", p, "--decode", d, "--pd-min-prompt-tokens", "0",
                                          "--pd-first-token", "--no-pd-queue-aware")
         try:

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
-from worker_stubs import listening, worker_app
+from worker_stubs import healthy, listening, serves_stub, worker_app
 
 PROMPT = "The quick brown fox jumps over the lazy dog " * 20
 
@@ -32,14 +32,6 @@ class Recorder:
     def __init__(self) -> None:
         self.prefill: list[dict[str, Any]] = []
         self.decode: list[dict[str, Any]] = []
-
-    @staticmethod
-    async def ok(_r: web.Request) -> web.Response:
-        return web.Response()
-
-    @staticmethod
-    async def models(_r: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "stub", "object": "model"}]})
 
     async def on_prefill(self, r: web.Request) -> web.Response:
         self.prefill.append(msgspec.json.decode(await r.read()))
@@ -53,8 +45,8 @@ class Recorder:
 
 async def test_prefill_leg_gets_the_routers_ids_and_decode_leg_the_text(tiny_deepseek_v3: Path) -> None:
     rec = Recorder()
-    prefill_app = worker_app(rec.ok, rec.models, rec.on_prefill, {"/v1/chat/completions": rec.on_prefill})
-    decode_app = worker_app(rec.ok, rec.models, rec.on_decode, {"/v1/chat/completions": rec.on_decode})
+    prefill_app = worker_app(healthy, serves_stub, rec.on_prefill, {"/v1/chat/completions": rec.on_prefill})
+    decode_app = worker_app(healthy, serves_stub, rec.on_decode, {"/v1/chat/completions": rec.on_decode})
     async with listening(prefill_app, decode_app) as (prefill, decode):
         cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), tokenizer=str(tiny_deepseek_v3),
                            pd_min_prompt_tokens=0, pd_queue_aware=False, pd_overlap=False, health_interval=600.0)

@@ -10,6 +10,16 @@ from aiohttp import web
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+async def healthy(_r: web.Request) -> web.Response:
+    """/health of a stub that is always up."""
+    return web.Response()
+
+
+async def serves_stub(_r: web.Request) -> web.Response:
+    """/v1/models of a stub serving the model "stub"."""
+    return web.json_response({"data": [{"id": "stub", "object": "model"}]})
+
+
 def worker_app(health: Handler, models: Handler, completions: Handler,
                posts: Mapping[str, Handler] | None = None) -> web.Application:
     """/health, /v1/models and /v1/completions as a vLLM worker serves them, plus other POST routes."""
