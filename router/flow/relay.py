@@ -196,7 +196,7 @@ class Relay:
         self.metrics.observe_phases({"before_first_call": t_first - call.t0, "prefill_leg": t_answer - t_first,
                                      "between_legs": now - t_answer, "decode_first_token": 0.0, "relay": relay_s})
         self.metrics.handoff.observe(now - t_answer)
-        self.metrics.overhead.observe(t_first - call.t0 + now - t_answer + relay_s)
+        self.metrics.overhead.observe(t_first - call.t0 + relay_s)  # the wait for the decode leg's headers is its engine's
 
     def _observe_first_token(self, call: Call, leg: DecodeLeg, now: float, relay_s: float) -> None:
         self.metrics.series(self.metrics.leg, "decode").observe(now - leg.t_sent)
