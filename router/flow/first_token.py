@@ -106,6 +106,12 @@ def first_chunk(call: Call, text: str) -> bytes:
     return b"data: " + msgspec.json.encode(event) + b"\n\n"
 
 
+def asks_usage(body: dict[str, Any]) -> bool:
+    """Whether the stream carries usage objects (vLLM sends them only with include_usage)."""
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
 class UsageFix:
     """The decode leg's stream with the handed token counted as generated, not as prompt, in every usage
     object (stream_options.include_usage, continuous_usage_stats). Events are patched whole: bytes after

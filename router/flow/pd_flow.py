@@ -144,10 +144,15 @@ class PDFlow:
         LMCache backend, its server holds the prompt's chunks."""
         if data is None:
             return "decode_only_prefill_failed", call.raw, None
+        t_prefill_done = await self._prefill_landed(call, data)
+        return "pd", decode_payload(call, data), t_prefill_done
+
+    async def _prefill_landed(self, call: Call, data: dict[str, Any]) -> float:
+        """When the prefill answered; on LMCache, returns once its server holds the prompt's chunks."""
         t_prefill_done = time.perf_counter()
         if call.prefill_worker is not None:
             await self.lmcache.wait_stored(call.prefill_worker, prompt_ids(data), call.body.get("cache_salt"))
-        return "pd", decode_payload(call, data), t_prefill_done
+        return t_prefill_done
 
     async def _serve_first_token(self, call: Call, ctx: RouteContext) -> Response:
         """The legs in sequence, the prefill's token streamed as the first (first_token.py) once the decode leg,
@@ -171,9 +176,7 @@ class PDFlow:
                            headers={"X-Request-Id": call.request_id})
 
     async def _open_after_handed(self, call: Call, data: dict[str, Any], token: int, ctx: RouteContext) -> DecodeLeg:
-        t_prefill_done = time.perf_counter()
-        if call.prefill_worker is not None:  # on LMCache, once its server holds the prompt's chunks
-            await self.lmcache.wait_stored(call.prefill_worker, prompt_ids(data), call.body.get("cache_salt"))
+        t_prefill_done = await self._prefill_landed(call, data)
         return await self.decode_legs.open(call, first_token.decode_body(call, data, token), ctx, set(), t_prefill_done)
 
     async def _serve_overlapped(self, call: Call, ctx: RouteContext) -> Response:

@@ -45,8 +45,9 @@ def prefill_body(body: dict[str, Any], handoff: str | None = None,
     with `handoff`, the producer names its upload after it (an overlapped decode leg waits for that).
 
     With `prompt_ids` (the prompt as the router counted it for routing) a completion's prompt goes as
-    those ids (a chat request keeps its messages: the router's template rendering is not vLLM's), so the prefill engine does not tokenize it a second time on the request's critical path
-    (2k tokens: 2-4 ms here, which colocated serving pays once). Only this leg gets them: the
+    those ids (a chat request keeps its messages: the router's template rendering is not vLLM's), so
+    the prefill engine does not tokenize it a second time on the request's critical path (2k tokens:
+    2-4 ms here, which colocated serving pays once). Only this leg gets them: the
     decode leg renders the text itself, and its connector loads only KV made for its own tokens
     (chunk keys and the prompt's digest), so a router tokenizer that differs from the engine's
     costs a recompute, never wrong tokens."""

@@ -170,16 +170,19 @@ class Relay:
         now = time.perf_counter()
         call.token_shown = True
         try:
-            try:
-                yield lead
-            finally:
-                self._observe_handed_token(call, now, time.perf_counter() - now)
+            yield lead
         except BaseException:  # the client left with the token: the decode leg is dropped (vLLM aborts it)
             leg.slot.abandon()
             leg.resp.close()
             self.metrics.series(self.metrics.requests, call.route, "499").inc()
             self.end(call)
             raise
+        finally:
+            self._observe_handed_token(call, now, time.perf_counter() - now)
+        if not first_token.asks_usage(call.body):  # nothing to fix: the decode leg's bytes pass as they come
+            async for chunk in self.stream(call, leg):
+                yield chunk
+            return
         usage = first_token.UsageFix()
         async for chunk in self.stream(call, leg):
             if fixed := usage.feed(chunk):
