@@ -31,7 +31,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import httpx
 
@@ -45,8 +45,9 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1
 
 
 @contextmanager
-def _process(argv: list[str], health: str, log: Path, timeout_s: float = 600) -> Iterator[None]:
-    env = {**os.environ, **ENGINE_ENV}
+def engine_process(argv: list[str], health: str, log: Path, timeout_s: float = 600,
+                   env_extra: Mapping[str, str] | None = None) -> Iterator[None]:
+    env = {**os.environ, **ENGINE_ENV, **(env_extra or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
@@ -79,7 +80,8 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _engine(model: Path, kv_config: dict | None, max_len: int, logdir: Path, name: str, extra: Sequence[str]):
+def start_engine(model: Path, kv_config: dict | None, max_len: int, logdir: Path, name: str, extra: Sequence[str],
+                 env_extra: Mapping[str, str] | None = None):
     port = free_port()
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -87,12 +89,12 @@ def _engine(model: Path, kv_config: dict | None, max_len: int, logdir: Path, nam
         "--max-model-len", str(max_len), "--max-num-seqs", "4", "--enforce-eager",
         *(["--kv-transfer-config", json.dumps(kv_config)] if kv_config else []), *extra,
     ]
-    return port, _process(argv, f"http://127.0.0.1:{port}/health", logdir / f"{name}.log")
+    return port, engine_process(argv, f"http://127.0.0.1:{port}/health", logdir / f"{name}.log", env_extra=env_extra)
 
 
 def _ttft(port: int, prompt: list[int]) -> float:
     """Latency of a one-token completion: the prefill (or load) and one sampling step."""
-    body = {"model": _model(port), "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    body = {"model": served_model(port), "prompt": prompt, "max_tokens": 1, "temperature": 0}
     start = time.perf_counter()
     r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600)
     elapsed = time.perf_counter() - start
@@ -100,7 +102,7 @@ def _ttft(port: int, prompt: list[int]) -> float:
     return elapsed
 
 
-def _model(port: int, _cache: dict[int, str] = {}) -> str:
+def served_model(port: int, _cache: dict[int, str] = {}) -> str:
     if port not in _cache:
         _cache[port] = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
     return _cache[port]
@@ -194,15 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "--http-port", str(store_http), "--chunk-size", str(args.chunk_size), "--l1-size-gb", "2"]
     ours_cfg = {"kv_connector": "PDServeConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"kvstore_url": f"tcp://127.0.0.1:{store_port}"}}
-    with _process(store_argv, f"http://127.0.0.1:{store_http}/health", work / "kvstore.log"):
-        port, ctx = _engine(model, ours_cfg, max_len, work, "pdserve", engine_extra)
+    with engine_process(store_argv, f"http://127.0.0.1:{store_http}/health", work / "kvstore.log"):
+        port, ctx = start_engine(model, ours_cfg, max_len, work, "pdserve", engine_extra)
         with ctx:
             phases: dict[int, dict[str, float]] = {}
             ours = _measure(port, prompts, args.repeats, phases)
             rates = _copy_rates(port)
     example_cfg = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                    "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
-    port, ctx = _engine(model, example_cfg, max_len, work, "example", engine_extra)
+    port, ctx = start_engine(model, example_cfg, max_len, work, "example", engine_extra)
     with ctx:
         example = _measure(port, prompts, args.repeats)
     # The floor no connector can beat: vLLM's own prefix cache in device memory (GPU only; the CPU
@@ -210,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hbm: dict[int, tuple[float, float]] = {}
     if _cuda():
         plain = [a for a in engine_extra if a != "--no-enable-prefix-caching"]
-        port, ctx = _engine(model, None, max_len, work, "prefix-cache", plain)
+        port, ctx = start_engine(model, None, max_len, work, "prefix-cache", plain)
         with ctx:
             hbm = _measure(port, prompts, args.repeats)
 

@@ -15,6 +15,15 @@ P/D TTFT minus colocated TTFT (both through the router); the router overhead is 
 colocated engine through the router minus the same engine addressed directly. The
 stacks run one after the other so neither competes with the other for the CPU.
 
+`--compare --paired --max-concurrency 1` brings all the stacks up at once instead and
+sends one request at a time, round by round: one to each label (the P/D routers, the
+colocated engine through its router and directly), the order rotated every round. On a
+noisy machine the runs one after the other are minutes apart, and its drift between
+them is larger than the few ms of a handoff; two requests of one round are seconds
+apart. Besides the usual per-label figures it prints each round's P/D TTFT minus the
+colocated TTFT of the same round, their median (the paired handoff) and the median of
+the rounds' TPOT ratios.
+
 `--kv-backend pdserve lmcache` runs one P/D stack per KV backend, side by side in one
 run (pdserve's store, then an `lmcache server` with LMCache's connector; its legs run in
 sequence, as the LMCache backend always does): TTFT, handoff and TPOT per backend.
@@ -30,11 +39,11 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import httpx
 import numpy as np
@@ -43,9 +52,12 @@ from tqdm import tqdm
 from pdserve.worker.config import split_passthrough
 from pdserve.deploy.ports import free_port
 from pdserve.bench import processes
-from pdserve.bench.engine_counters import (describe_load_phases, describe_saves, engine_time_means, load_phase_means,
-                                           read_counters, save_means)
+from pdserve.bench.engine_counters import (delta, describe_load_phases, describe_saves, engine_time_means,
+                                           load_phase_means, read_counters, save_means)
 from pdserve.router.prefill_estimate import RECENT_LEGS
+
+if TYPE_CHECKING:
+    from pdserve.deploy.local import StackConfig
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")
@@ -61,6 +73,11 @@ FLOOR_PROMPTS = 10
 # to load (its API server tokenizing the text, the last token's step over the whole context). Its gap to
 # the short-prompt floor is no connector's doing.
 CACHED_FLOOR_LABEL = "pd-decode-cached-floor"
+# With --paired, fresh prompts of the benchmark's length also go straight to the P/D decode engine, which
+# prefills them itself: the same engine and connector as a P/D request's decode, without the P/D setting
+# (the router, a loaded context, the prefill engine beside it). P/D over it is what that setting costs,
+# it over colocated-direct what the connector costs its engine.
+DECODE_DIRECT_LABEL = "pd-decode-direct"
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,7 @@ class BenchConfig:
     disable_tqdm: bool = False
     compare: bool = False
     kv_backends: tuple[str, ...] = ("pdserve",)  # with --compare: one P/D stack per KV backend
+    paired: bool = False  # with --compare at c=1: every stack up at once, requests alternating between labels
     vllm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -99,6 +117,11 @@ class BenchConfig:
         unknown = set(self.goodput) - set(SLO_METRICS)
         if unknown:
             raise ValueError(f"--goodput metrics must be among {SLO_METRICS}, got {sorted(unknown)}")
+        if self.paired and not self.compare:
+            raise ValueError("--paired pairs the stacks --compare starts: add --compare")
+        # Rounds pair one request per label, so one is in flight at a time and each goes out when the last ends.
+        if self.paired and (self.max_concurrency != (1,) or math.isfinite(self.request_rate)):
+            raise ValueError("--paired sends one request at a time: give --max-concurrency 1 and no --request-rate")
 
 
 @dataclass
@@ -305,6 +328,13 @@ def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
     return out
 
 
+def check_warm_up(results: Sequence[RequestResult], base_url: str) -> None:
+    """A failed warm-up stops the benchmark: the measured requests would fail the same way."""
+    failed = next((r for r in results if not r.success), None)
+    if failed is not None:
+        raise RuntimeError(f"warm-up request to {base_url} failed: {failed.error}")
+
+
 async def run_load(cfg: BenchConfig, base_url: str, model: str, prompts: list[str], warmup: list[str],
                    concurrency: int | None, label: str) -> tuple[list[RequestResult], float, dict[str, float]]:
     """Warm up, then send every prompt at the configured rate and concurrency; also the router's own
@@ -319,9 +349,7 @@ async def run_load(cfg: BenchConfig, base_url: str, model: str, prompts: list[st
             async with gate or nullcontext():
                 return await send_request(client, cfg, base_url, model, prompt)
 
-        for result in await asyncio.gather(*(limited(p) for p in warmup)):
-            if not result.success:
-                raise RuntimeError(f"warm-up request to {base_url} failed: {result.error}")
+        check_warm_up(await asyncio.gather(*(limited(p) for p in warmup)), base_url)
         rng = np.random.default_rng(cfg.seed + 1)
         bar = tqdm(total=len(prompts), desc=label, disable=cfg.disable_tqdm, file=sys.stderr, leave=False)
 
@@ -409,10 +437,11 @@ def phase_means(m: dict[str, Any] | None) -> dict[str, float]:
     return {name: float(router.get(f"phase_{name}_mean_ms", math.nan)) for name in (*PHASES, "overlap_wait")}
 
 
-def comparison(runs: list[Run]) -> list[dict[str, Any]]:
+def comparison(runs: list[Run], paired: bool = False) -> list[dict[str, Any]]:
     """Per concurrency: P/D vs colocated TTFT (handoff overhead) and router vs direct (router overhead),
     the handoff against the decode engine's floor, the P/D TPOT against an engine without a connector,
-    and where P/D TTFT goes by the router's phases beside the colocated figures they compare to."""
+    and where P/D TTFT goes by the router's phases beside the colocated figures they compare to; with
+    `paired` (runs from `run_paired`), the c=1 row also gets `paired_differences`."""
     by = {(r.label, r.max_concurrency): r.metrics for r in runs}
     floors = {r.label: r.metrics for r in runs if r.label in (*FLOOR_LABELS.values(), CACHED_FLOOR_LABEL)}
     pd_floor, coloc_floor = floors.get(FLOOR_LABELS["pd"]), floors.get(FLOOR_LABELS["colocated"])
@@ -464,7 +493,51 @@ def comparison(runs: list[Run]) -> list[dict[str, Any]]:
             "decode_engine": {"overlap": pd.get("decode_engine", {}), "sequential": (seq or {}).get("decode_engine", {})},
             "backends": backend_rows(by, conc, coloc_ttft),
         })
+        if paired and conc == 1:
+            rows[-1]["paired"] = paired_differences([r for r in runs if r.max_concurrency == 1])
     return rows
+
+
+def _median(values: Sequence[float]) -> float:
+    """Median of the values that are not NaN (NaN when none is)."""
+    kept = [v for v in values if not math.isnan(v)]
+    return float(np.median(kept)) if kept else math.nan
+
+
+def paired_differences(runs: list[Run]) -> dict[str, dict[str, dict[str, Any]]]:
+    """For each P/D run against each colocated run of one paired run (`run_paired`: request i of every
+    label went out in round i), and against the P/D decode engine's own (DECODE_DIRECT_LABEL, which is
+    also set against the colocated runs): the TTFT difference (ms) and the TPOT ratio of each round's two
+    requests (NaN where either failed), and their medians. Pairing within a round leaves out the machine's
+    drift between rounds, which the difference of two runs' p50s keeps."""
+    by = {r.label: r.results for r in runs}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for pd in dict.fromkeys((*PD_ROUTERS, *PD_LABELS.values(), DECODE_DIRECT_LABEL)):
+        for ref in (*COLOCATED_LABELS, DECODE_DIRECT_LABEL):
+            if pd not in by or ref not in by or pd == ref:
+                continue
+            pairs = [(a, b) if a.success and b.success else None for a, b in zip(by[pd], by[ref], strict=True)]
+            diffs = [1000.0 * (p[0].ttft - p[1].ttft) if p else math.nan for p in pairs]
+            ratios = [p[0].tpot / p[1].tpot if p and p[0].tpot > 0 and p[1].tpot > 0 else math.nan for p in pairs]
+            out.setdefault(pd, {})[ref] = {
+                "rounds": sum(not math.isnan(d) for d in diffs), "handoff_p50_ms": _median(diffs),
+                "tpot_ratio_p50": _median(ratios), "handoff_ms_by_round": diffs, "tpot_ratio_by_round": ratios}
+    return out
+
+
+def paired_lines(paired: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The paired figures of one c=1 row: per P/D label and colocated label, the median of the rounds'
+    differences and ratios, then each round's difference; none for a row without them."""
+    if not paired:
+        return []
+    lines = ["  paired rounds (a P/D request's TTFT minus the colocated one's of the same round; "
+             "TPOT ratio P/D / colocated; medians over rounds):"]
+    for pd, refs in paired.items():
+        for ref, p in refs.items():
+            lines.append(f"    {pd} - {ref}: paired handoff p50 {p['handoff_p50_ms']:.1f} ms, paired TPOT ratio "
+                         f"x{p['tpot_ratio_p50']:.3f} ({p['rounds']} rounds); by round (ms): "
+                         + " ".join(f"{d:.1f}" for d in p["handoff_ms_by_round"]))
+    return lines
 
 
 def backend_rows(by: dict[tuple[str, int | None], dict[str, Any]], conc: int | None,
@@ -554,7 +627,7 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
             print(f"  the prefill's token streamed first (--pd-first-token): handoff overhead "
                   f"{row['first_token_handoff_p50_ms']:.1f} ms; TPOT p50 {row['first_token_tpot_p50_ms']:.2f} ms, "
                   f"ITL p99 {row['first_token_itl_p99_ms']:.2f} ms (the decode leg is the second token's wait)")
-        for line in floor_and_phase_lines(row):
+        for line in floor_and_phase_lines(row) + paired_lines(row.get("paired", {})):
             print(line)
     backends = [(row["max_concurrency"], name, b) for row in rows for name, b in row["backends"].items()]
     if len({name for _, name, _ in backends}) > 1:
@@ -646,6 +719,12 @@ def warmups(cfg: BenchConfig, concurrency: int | None, at_least: int = 0) -> int
 PD_ROUTER_WARMUPS = RECENT_LEGS + 1
 
 
+def report(label: str, conc: int | None, metrics: dict[str, Any]) -> None:
+    """One line per run as it ends, so a benchmark cut short by a time limit still shows what it measured."""
+    print(f"{label} c={conc or 'inf'}: {metrics['completed']} ok, {metrics['failed']} failed, TTFT p50 "
+          f"{metrics['ttft_ms']['p50']:.1f} ms, TPOT p50 {metrics['tpot_ms']['p50']:.2f} ms", file=sys.stderr, flush=True)
+
+
 async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: PromptSource | None = None,
                          levels: Sequence[int | None] | None = None, first_warmups: int = 0) -> list[Run]:
     """Each concurrency level against one base URL, with fresh prompts; one Run per level. The first
@@ -663,9 +742,7 @@ async def bench_endpoint(cfg: BenchConfig, base_url: str, label: str, prompts: P
                                                    prompts.take(warmups(cfg, conc, 0 if i else first_warmups)), conc,
                                                    f"{label} c={conc or 'inf'}")
         metrics = summarize(results, duration, cfg.goodput)
-        # as each run ends, so a run cut short by a time limit still shows what it measured
-        print(f"{label} c={conc or 'inf'}: {metrics['completed']} ok, {metrics['failed']} failed, TTFT p50 "
-              f"{metrics['ttft_ms']['p50']:.1f} ms, TPOT p50 {metrics['tpot_ms']['p50']:.2f} ms", file=sys.stderr, flush=True)
+        report(label, conc, metrics)
         if router:
             metrics["router"] = router
         runs.append(Run(label, base_url, conc, metrics, results))
@@ -685,9 +762,139 @@ def second_router(stack: Any, *flags: str) -> Iterator[str]:
         yield url
 
 
+# The P/D stack's routers by run label, with their flags: the stack's own overlaps the legs and skips a long
+# prefill queue (the defaults); the second sends the legs in sequence, the third always disaggregates, the
+# fourth sends an overlapped decode leg with its prefill leg instead of at the predicted end, the fifth streams
+# the prefill's token first and sends the decode leg after it.
+PD_ROUTERS: dict[str, tuple[str, ...]] = {
+    "pd": (), "pd-sequential": ("--no-pd-overlap",), "pd-queue-blind": ("--no-pd-queue-aware",),
+    "pd-overlap-start": ("--pd-overlap-send", "start"), "pd-first-token": ("--pd-first-token",)}
+# The colocated engine's runs, the yardsticks of the P/D ones.
+COLOCATED_LABELS = ("colocated-router", "colocated-direct")
+# An engine's connector counters by its role in a P/D stack ("decode", "prefill"); None where it did not answer.
+Readings = dict[str, dict[str, float] | None]
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one run label of --compare sends its requests, the warm-ups its first level needs at least,
+    and, for a P/D router, its stack's engines by role: their counters and the router's paths go into
+    its runs (`pd_metrics`)."""
+
+    label: str
+    url: str
+    first_warmups: int = 0
+    engines: dict[str, str] = field(default_factory=dict)
+
+
+# A stack brought up for --compare: its targets, and the floor runs measured as it came up.
+StackUp = tuple[list[Target], list[Run]]
+
+
+def read_engines(engines: dict[str, str]) -> Readings:
+    """Each engine's connector counters now."""
+    return {role: read_counters(url) for role, url in engines.items()}
+
+
+def add_readings(total: Readings, before: Readings, after: Readings) -> Readings:
+    """`total` plus what each engine's counters gained from `before` to `after` (None once a reading is
+    missing): in paired mode the P/D labels share one stack's engines and their requests interleave, so a
+    label's counters are summed from readings around each of its own requests."""
+    out: Readings = {}
+    for role, counts in total.items():
+        b, a = before.get(role), after.get(role)
+        out[role] = None if counts is None or b is None or a is None else {
+            **counts, **{name: counts.get(name, 0.0) + gained for name, gained in delta(b, a).items()}}
+    return out
+
+
+def pd_metrics(before: Readings, after: Readings, paths_before: dict[str, float],
+               paths_after: dict[str, float]) -> dict[str, Any]:
+    """What a P/D label's run adds to its metrics between two readings: its prefill engine's saves, its decode
+    engine's loads and own timing, and its router's requests by path (those that moved)."""
+    paths = {k: v - paths_before.get(k, 0.0) for k, v in paths_after.items()}
+    return {"prefill_saves": save_means(before.get("prefill"), after.get("prefill")),
+            "decode_loads": load_phase_means(before.get("decode"), after.get("decode")),
+            "decode_engine": engine_time_means(before.get("decode"), after.get("decode")),
+            "paths": {k: v for k, v in paths.items() if v}}
+
+
+def measure_level(cfg: BenchConfig, target: Target, prompts: PromptSource, conc: int | None,
+                  first: bool) -> list[Run]:
+    """One concurrency level of one label on its own; a P/D label's run gets `pd_metrics` from readings
+    taken around it (its warm-up included)."""
+    before = read_engines(target.engines)
+    paths_before = router_paths(target.url) if target.engines else {}
+    level = asyncio.run(bench_endpoint(cfg, target.url, target.label, prompts, [conc],
+                                       target.first_warmups if first else 0))
+    if target.engines:
+        level[0].metrics.update(pd_metrics(before, read_engines(target.engines), paths_before,
+                                           router_paths(target.url)))
+    return level
+
+
+def paired_schedule(labels: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order of each round's requests in paired mode: one per label, rotated by one every round, so no
+    label always goes first or last (over a multiple of len(labels) rounds each takes every place equally
+    often), and what a place costs (the engine just used, the machine's state) does not land on one label."""
+    n = len(labels)
+    return [[labels[(r + i) % n] for i in range(n)] for r in range(rounds)]
+
+
+async def run_paired(cfg: BenchConfig, targets: Sequence[Target], prompts: PromptSource) -> list[Run]:
+    """--paired: every label warmed up as its first level would be, then cfg.num_prompts rounds of one fresh
+    prompt per label (`paired_schedule`), one request at a time. One Run per label at c=1, its results in
+    round order so `paired_differences` lines up each round's requests. A label's duration is the time its
+    own requests took (at c=1, what its run alone would have lasted); the engines and routers are read
+    between requests, outside the timing."""
+    model = str(cfg.model)
+    by_label = {t.label: t for t in targets}
+    firsts = {t.label: read_engines(t.engines) for t in targets}
+    totals = dict(firsts)
+    paths_before = {t.label: router_paths(t.url) for t in targets if t.engines}
+    results: dict[str, list[RequestResult]] = {label: [] for label in by_label}
+    busy = dict.fromkeys(by_label, 0.0)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=len(targets)),
+                                 timeout=cfg.request_timeout) as client:
+
+        async def one(target: Target, prompt: str) -> tuple[RequestResult, float]:
+            before = read_engines(target.engines)  # blocking, but nothing else is in flight
+            start = time.perf_counter()
+            result = await send_request(client, cfg, target.url, model, prompt)
+            took = time.perf_counter() - start
+            totals[target.label] = add_readings(totals[target.label], before, read_engines(target.engines))
+            return result, took
+
+        for t in targets:
+            check_warm_up([(await one(t, p))[0] for p in prompts.take(warmups(cfg, 1, t.first_warmups))], t.url)
+        router_before = {t.label: await router_totals(client, t.url) for t in targets}
+        bar = tqdm(total=cfg.num_prompts * len(targets), desc="paired c=1", disable=cfg.disable_tqdm,
+                   file=sys.stderr, leave=False)
+        for order in paired_schedule(list(by_label), cfg.num_prompts):
+            for label, prompt in zip(order, prompts.take(len(order))):
+                result, took = await one(by_label[label], prompt)
+                results[label].append(result)
+                busy[label] += took
+                bar.update(1)
+        bar.close()
+        runs = []
+        for t in targets:
+            metrics = summarize(results[t.label], busy[t.label], cfg.goodput)
+            report(t.label, 1, metrics)
+            router = router_means(router_before[t.label], await router_totals(client, t.url))
+            if router:
+                metrics["router"] = router
+            if t.engines:
+                metrics.update(pd_metrics(firsts[t.label], totals[t.label], paths_before[t.label],
+                                          router_paths(t.url)))
+            runs.append(Run(t.label, t.url, 1, metrics, results[t.label]))
+    return runs
+
+
 def compare_stacks(cfg: BenchConfig) -> list[Run]:
-    """P/D stack, then a colocated engine (through the router and direct), one after the other."""
-    from pdserve.deploy.local import LocalStack, StackConfig
+    """P/D stack (one per KV backend), then a colocated engine (through the router and direct), one after
+    the other; with --paired all of them up at once and their requests interleaved (`run_paired`)."""
+    from pdserve.deploy.local import StackConfig
     from pdserve.deploy.tiny_model import TINY_ENGINE_ENV, TINY_SERVED_NAME, TINY_VLLM_ARGS, tiny_model_dir
 
     if cfg.model:
@@ -701,53 +908,69 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
     bench = BenchConfig(**{**asdict(cfg), "model": served})
 
     def stack(**kw: Any) -> StackConfig:
+        # Ports are picked as each stack comes up, so a stack already up holds its own.
         return StackConfig(model=model, served_model_name=served, tokenizer=model if Path(model).is_dir() else None,
                            vllm_args=tuple(vllm_args), engine_env=env, port=free_port(),
                            prefill_port=free_port(), decode_port=free_port(), kvstore_port=free_port(),
                            kvstore_http_port=free_port(), api_key=cfg.api_key, **kw)
 
-    runs: list[Run] = []
+    stacks: list[Callable[[], AbstractContextManager[StackUp]]] = []
     if "pdserve" in cfg.kv_backends:
-        pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
-        with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), \
-                second_router(pd, "--no-pd-overlap") as sequential_url, \
-                second_router(pd, "--no-pd-queue-aware") as blind_url, \
-                second_router(pd, "--pd-overlap-send", "start") as at_start_url, \
-                second_router(pd, "--pd-first-token") as first_token_url:
-            decode_url, prefill_url = pd.worker_urls("decode")[0], pd.worker_urls("prefill")[0]
-            runs += engine_floor(bench, decode_url, FLOOR_LABELS["pd"], floor_prompts)
-            runs += cached_floor(bench, decode_url, tokenizer)
-            for n, conc in enumerate(cfg.max_concurrency):
-                # The stack's router overlaps the legs and skips a long prefill queue (the defaults);
-                # the second sends the legs in sequence, the third always disaggregates, the fourth
-                # sends an overlapped decode leg with its prefill leg instead of at the predicted end, the
-                # fifth streams the prefill's token first and sends the decode leg after it.
-                for label, url in (("pd", pd.router_url), ("pd-sequential", sequential_url),
-                                   ("pd-queue-blind", blind_url), ("pd-overlap-start", at_start_url),
-                                   ("pd-first-token", first_token_url)):
-                    before, paths_before = read_counters(decode_url), router_paths(url)
-                    saves_before = read_counters(prefill_url)
-                    level = asyncio.run(bench_endpoint(bench, url, label, prompts, [conc],
-                                                       0 if n else PD_ROUTER_WARMUPS))
-                    after = read_counters(decode_url)
-                    level[0].metrics["prefill_saves"] = save_means(saves_before, read_counters(prefill_url))
-                    level[0].metrics["decode_loads"] = load_phase_means(before, after)
-                    level[0].metrics["decode_engine"] = engine_time_means(before, after)
-                    paths = {k: v - paths_before.get(k, 0.0) for k, v in router_paths(url).items()}
-                    level[0].metrics["paths"] = {k: v for k, v in paths.items() if v}
-                    runs += level
+        stacks.append(lambda: pd_stack(bench, stack, tokenizer, floor_prompts))
     if "lmcache" in cfg.kv_backends:
-        runs += lmcache_runs(cfg, bench, prompts, stack)
+        stacks.append(lambda: lmcache_stack(bench, stack))
+    stacks.append(lambda: colocated_stack(bench, stack, floor_prompts))
+    runs: list[Run] = []
+    if cfg.paired:
+        with ExitStack() as up:
+            targets: list[Target] = []
+            for start in stacks:
+                stack_targets, floors = up.enter_context(start())
+                targets += stack_targets
+                runs += floors
+            return runs + asyncio.run(run_paired(bench, targets, prompts))
+    for start in stacks:
+        with start() as (targets, floors):
+            runs += floors
+            # Every label of the stack runs a level before the next level starts, so slow drift in the machine's
+            # load does not land on one side of a difference between two labels (colocated router vs direct).
+            for n, conc in enumerate(cfg.max_concurrency):
+                runs += [run for t in targets for run in measure_level(bench, t, prompts, conc, first=n == 0)]
+    return runs
+
+
+@contextmanager
+def pd_stack(cfg: BenchConfig, stack: Callable[..., StackConfig], tokenizer: Any,
+             floor_prompts: PromptSource) -> Iterator[StackUp]:
+    """The P/D stack on pdserve's store with one router per PD_ROUTERS entry; its decode engine's floors
+    measured as it comes up."""
+    from pdserve.deploy.local import LocalStack
+
+    pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
+    with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), ExitStack() as routers:
+        urls = {label: routers.enter_context(second_router(pd, *flags)) if flags else pd.router_url
+                for label, flags in PD_ROUTERS.items()}
+        engines = {"decode": pd.worker_urls("decode")[0], "prefill": pd.worker_urls("prefill")[0]}
+        floors = (engine_floor(cfg, engines["decode"], FLOOR_LABELS["pd"], floor_prompts)
+                  + cached_floor(cfg, engines["decode"], tokenizer))
+        targets = [Target(label, url, PD_ROUTER_WARMUPS, engines) for label, url in urls.items()]
+        if cfg.paired:
+            targets.append(Target(DECODE_DIRECT_LABEL, engines["decode"]))
+        yield targets, floors
+
+
+@contextmanager
+def colocated_stack(cfg: BenchConfig, stack: Callable[..., StackConfig],
+                    floor_prompts: PromptSource) -> Iterator[StackUp]:
+    """One engine without a connector behind a router that never disaggregates, benchmarked through the
+    router and directly; its floor measured as it comes up."""
+    from pdserve.deploy.local import LocalStack
+
     coloc = stack(num_prefill=0, num_decode=1, connector=False, pd_min_prompt_tokens=10**9)
     with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):
-        runs += engine_floor(bench, coloc.worker_urls("decode")[0], FLOOR_LABELS["colocated"], floor_prompts)
-        # Router and direct alternate level by level, so slow drift in the machine's
-        # load does not land on one side of the router-overhead difference.
-        for conc in cfg.max_concurrency:
-            runs += asyncio.run(bench_endpoint(bench, coloc.router_url, "colocated-router", prompts, [conc]))
-            runs += asyncio.run(bench_endpoint(bench, coloc.worker_urls("decode")[0], "colocated-direct",
-                                               prompts, [conc]))
-    return runs
+        direct = coloc.worker_urls("decode")[0]
+        floors = engine_floor(cfg, direct, FLOOR_LABELS["colocated"], floor_prompts)
+        yield [Target(label, url) for label, url in zip(COLOCATED_LABELS, (coloc.router_url, direct))], floors
 
 
 def engine_floor(cfg: BenchConfig, engine_url: str, label: str, prompts: PromptSource) -> list[Run]:
@@ -772,7 +995,8 @@ def cached_floor(cfg: BenchConfig, engine_url: str, tokenizer: Any) -> list[Run]
     return one_pass(CACHED_FLOOR_LABEL)
 
 
-def lmcache_runs(cfg: BenchConfig, bench: BenchConfig, prompts: PromptSource, stack: Any) -> list[Run]:
+@contextmanager
+def lmcache_stack(cfg: BenchConfig, stack: Callable[..., StackConfig]) -> Iterator[StackUp]:
     """The P/D stack on LMCache. Its workers register in Redis when there is a redis-server, so
     the router reads LMCache's lookup and waits for the prefill's chunks (lmcache_view.py), as a
     deployment on this backend runs; without one they are static and the router does neither."""
@@ -787,8 +1011,7 @@ def lmcache_runs(cfg: BenchConfig, bench: BenchConfig, prompts: PromptSource, st
         lm = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0, kv_backend="lmcache",
                    redis_url=f"redis://127.0.0.1:{redis.port}/0" if redis else None)
         with LocalStack(lm, label="P/D stack on LMCache").start(show_progress=not cfg.disable_tqdm):
-            return [run for conc in cfg.max_concurrency
-                    for run in asyncio.run(bench_endpoint(bench, lm.router_url, PD_LABELS["lmcache"], prompts, [conc]))]
+            yield [Target(PD_LABELS["lmcache"], lm.router_url)], []
     finally:
         if redis is not None:
             redis.stop()
@@ -837,6 +1060,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-backend", dest="kv_backends", nargs="+", choices=KV_BACKENDS, default=["pdserve"],
                    help="with --compare: one P/D stack per KV backend, side by side (lmcache needs lmcache "
                         "installed and redis-server on PATH)")
+    p.add_argument("--paired", action="store_true",
+                   help="with --compare and --max-concurrency 1: every stack up at once, one request at a time "
+                        "to each run label in turn (order rotated every round); adds each round's P/D minus "
+                        "colocated TTFT and their median, free of the machine's drift between runs")
     return p
 
 
@@ -853,7 +1080,7 @@ def config_from_args(argv: Sequence[str]) -> BenchConfig:
             max_concurrency=tuple(a.max_concurrency), request_rate=a.request_rate, num_warmups=a.num_warmups,
             seed=a.seed, goodput=dict(a.goodput), api_key=a.api_key, request_timeout=a.request_timeout,
             result_dir=a.result_dir, result_filename=a.result_filename, disable_tqdm=a.disable_tqdm,
-            compare=a.compare, kv_backends=tuple(a.kv_backends), vllm_args=tuple(vllm_args),
+            compare=a.compare, kv_backends=tuple(a.kv_backends), paired=a.paired, vllm_args=tuple(vllm_args),
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -877,7 +1104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    rows = comparison(runs)
+    rows = comparison(runs, paired=cfg.paired)
     print_summary(runs, rows)
     json_path, png_path = write_results(cfg, runs, rows)
     print(f"results: {json_path}\nplot: {png_path}")

@@ -22,6 +22,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("model", "tiny"): ("pdserve.deploy.tiny_model", "write a tiny random-weight model (config + tokenizer)"),
     ("bench", "kvstore"): ("pdserve.bench.kvstore_throughput", "benchmark store/load throughput against memcpy"),
     ("bench", "connector"): ("pdserve.bench.connector_ttft", "benchmark TTFT: recompute vs store vs ExampleConnector"),
+    ("bench", "connector-tpot"): ("pdserve.bench.connector_tpot",
+                                  "benchmark TPOT: no connector vs a no-op one vs PDServeConnector"),
     ("bench", "kernels"): ("pdserve.bench.kernels", "benchmark paged gather/scatter and fp8_ds_mla codecs on a GPU"),
     ("bench", "serve"): ("pdserve.bench.serve", "benchmark an OpenAI endpoint (TTFT, TPOT, ITL)"),
     ("bench", "router"): ("pdserve.bench.router", "benchmark what the router adds in front of a fast stub upstream"),

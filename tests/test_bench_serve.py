@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import httpx
 import matplotlib.image
@@ -20,9 +21,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench import processes
-from pdserve.bench.serve import (CACHED_FLOOR_LABEL, FLOOR_LABELS, OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, comparison,
-                                 config_from_args, floor_and_phase_lines, load_tokenizer, main, path_counts,
-                                 print_summary, router_means, router_sums, run_load, summarize, warmups)
+from pdserve.bench import serve as bench_serve
+from pdserve.bench.engine_counters import load_phase_means
+from pdserve.bench.serve import (CACHED_FLOOR_LABEL, COLOCATED_LABELS, DECODE_DIRECT_LABEL, FLOOR_LABELS,
+                                 OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, Target, add_readings, comparison, config_from_args,
+                                 floor_and_phase_lines, load_tokenizer, main, paired_differences, paired_schedule,
+                                 path_counts, print_summary, router_means, router_sums, run_load, run_paired,
+                                 summarize, warmups)
 from pdserve.router.flow.call import Call
 from pdserve.router.flow.decode_leg import DecodeLeg, pd_phases
 from pdserve.router.metrics import RouterMetrics
@@ -32,6 +37,16 @@ if TYPE_CHECKING:
 
 # Imported as a plugin (not by name) so its session stack is shared and its asserts are rewritten.
 pytest_plugins = ["pdstack_fixtures"]
+
+
+def write_sse(writer: asyncio.StreamWriter, tokens: int) -> None:
+    """A whole streamed completion of `tokens` one-character tokens, usage included, as one HTTP reply."""
+    events = (b'data: {"choices": [{"text": "x"}]}\n\n' * tokens
+              + b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": %d}}\n\n' % tokens
+              + b"data: [DONE]\n\n")
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(events), events))
+
 
 
 def _result(ttft: float, e2el: float, tokens: int) -> RequestResult:
@@ -225,11 +240,7 @@ async def _count_in_flight(concurrency: int) -> tuple[list[int], int]:
         except asyncio.TimeoutError:
             pass
         in_flight -= 1
-        events = (b'data: {"choices": [{"text": "x"}]}\n\n'
-                  b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\n'
-                  b"data: [DONE]\n\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(events), events))
+        write_sse(writer, tokens=1)
         await writer.drain()
         writer.close()
 
@@ -280,6 +291,218 @@ def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         config_from_args(argv)
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--paired", "--max-concurrency", "1"], "add --compare"),
+    (["--compare", "--paired"], "--max-concurrency 1"),  # the default is unlimited
+    (["--compare", "--paired", "--max-concurrency", "1", "4"], "--max-concurrency 1"),
+    (["--compare", "--paired", "--max-concurrency", "2"], "--max-concurrency 1"),
+    (["--compare", "--paired", "--max-concurrency", "1", "--request-rate", "5"], "no --request-rate"),
+])
+def test_paired_needs_compare_at_concurrency_one(argv: list[str], why: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(argv)
+    assert exc.value.code == 2 and why in capsys.readouterr().err
+    cfg = config_from_args(["--compare", "--paired", "--max-concurrency", "1"])
+    assert cfg.paired and cfg.max_concurrency == (1,)
+    assert not config_from_args(["--compare", "--max-concurrency", "1"]).paired
+
+
+def test_paired_schedule_rotates_each_round_so_no_label_keeps_its_place() -> None:
+    labels = ["pd", "pd-sequential", "colocated-router", "colocated-direct"]
+    schedule = paired_schedule(labels, 8)
+    assert len(schedule) == 8 and all(sorted(order) == sorted(labels) for order in schedule)
+    assert schedule[0] == labels and schedule[1] == ["pd-sequential", "colocated-router", "colocated-direct", "pd"]
+    # over a multiple of the labels, each label takes each place in a round exactly twice
+    for place in range(len(labels)):
+        assert sorted(order[place] for order in schedule) == sorted(labels * 2)
+    assert paired_schedule(labels, 0) == []
+
+
+def _ms(ttft_ms: float, tpot_ms: float, ok: bool = True) -> RequestResult:
+    if not ok:
+        return RequestResult(error="HTTP 500")
+    return _result(ttft_ms / 1000, ttft_ms / 1000 + 4 * tpot_ms / 1000, 5)
+
+
+def _paired_runs() -> list[Run]:
+    """Request i of each label went out in round i; round 2 of pd failed. The machine drifts: round 1 is slow
+    for everyone, which the runs' p50s mix up and the rounds' differences do not."""
+    pd = [_ms(130, 11), _ms(190, 12), _ms(0, 0, ok=False), _ms(125, 10.5)]
+    direct = [_ms(100, 10), _ms(150, 10), _ms(100, 10), _ms(100, 10)]
+    router = [_ms(101, 10), _ms(152, 10), _ms(101, 10), _ms(104, 10)]
+    floor = [_ms(12, 1)] * 4
+    return [Run(label, "http://x", 1, summarize(results, 1.0, {}), results)
+            for label, results in (("pd", pd), ("colocated-router", router), ("colocated-direct", direct),
+                                   (FLOOR_LABELS["pd"], floor))]
+
+
+def test_paired_differences_set_the_decode_engine_direct_between_pd_and_colocated() -> None:
+    """P/D over its own decode engine prefilling the same kind of prompt (the P/D setting's cost), and that
+    engine over the colocated one (its connector's cost): the two ratios that split P/D over colocated."""
+    runs = _paired_runs()
+    own = [_ms(110, 10), _ms(160, 10.5), _ms(105, 10.5), _ms(100, 10)]
+    runs.append(Run(DECODE_DIRECT_LABEL, "http://x", 1, summarize(own, 1.0, {}), own))
+    paired = paired_differences(runs)
+    assert set(paired) == {"pd", DECODE_DIRECT_LABEL}
+    assert set(paired["pd"]) == {*COLOCATED_LABELS, DECODE_DIRECT_LABEL}
+    setting = paired["pd"][DECODE_DIRECT_LABEL]
+    assert setting["tpot_ratio_by_round"][:2] == pytest.approx([1.1, 12 / 10.5])
+    assert setting["handoff_ms_by_round"][3] == pytest.approx(25.0) and setting["rounds"] == 3
+    connector = paired[DECODE_DIRECT_LABEL]
+    assert set(connector) == set(COLOCATED_LABELS)  # never against itself
+    assert connector["colocated-direct"]["tpot_ratio_by_round"] == pytest.approx([1.0, 1.05, 1.05, 1.0])
+    assert connector["colocated-direct"]["tpot_ratio_p50"] == pytest.approx(1.025)
+
+
+def test_paired_differences_line_up_each_rounds_requests() -> None:
+    paired = paired_differences(_paired_runs())
+    assert set(paired) == {"pd"} and set(paired["pd"]) == set(COLOCATED_LABELS)  # floors and absent labels: none
+    direct = paired["pd"]["colocated-direct"]
+    assert direct["handoff_ms_by_round"][:2] == pytest.approx([30.0, 40.0])
+    assert math.isnan(direct["handoff_ms_by_round"][2])  # the failed request's round counts for nothing
+    assert direct["handoff_ms_by_round"][3] == pytest.approx(25.0)
+    assert direct["rounds"] == 3 and direct["handoff_p50_ms"] == pytest.approx(30.0)
+    router = paired["pd"]["colocated-router"]
+    assert router["handoff_ms_by_round"][3] == pytest.approx(21.0)
+    assert router["handoff_p50_ms"] == pytest.approx(29.0)  # median of 29, 38, 21
+    assert direct["tpot_ratio_by_round"][:2] == pytest.approx([1.1, 1.2])
+    assert direct["tpot_ratio_p50"] == pytest.approx(1.1)  # median of 1.1, 1.2, 1.05
+
+
+def test_comparison_adds_the_paired_figures_only_when_asked(capsys: pytest.CaptureFixture) -> None:
+    runs = _paired_runs()
+    [plain] = comparison(runs)
+    assert "paired" not in plain
+    [row] = comparison(runs, paired=True)
+    # the p50s of the runs are unchanged by pairing (pd 130 vs direct 100), the paired median is its own figure
+    assert row["handoff_overhead_p50_ms"] == pytest.approx(plain["handoff_overhead_p50_ms"])
+    assert row["paired"]["pd"]["colocated-router"]["handoff_p50_ms"] == pytest.approx(29.0)
+    print_summary(runs, [row])
+    out = capsys.readouterr().out
+    assert "pd - colocated-direct: paired handoff p50 30.0 ms, paired TPOT ratio x1.100 (3 rounds); " \
+           "by round (ms): 30.0 40.0 nan 25.0" in out
+    assert "pd - colocated-router: paired handoff p50 29.0 ms" in out
+    print_summary(runs, [plain])
+    assert "paired" not in capsys.readouterr().out
+
+
+def test_add_readings_sums_what_moved_around_each_request() -> None:
+    first = {"decode": {"loads": 2.0, "load_seconds": 0.2}, "prefill": None}
+    before = {"decode": {"loads": 5.0, "load_seconds": 1.0}, "prefill": {"gathers": 1.0}}
+    after = {"decode": {"loads": 6.0, "load_seconds": 1.03, "load_fetch_seconds": 0.01}, "prefill": {"gathers": 2.0}}
+    total = add_readings(first, before, after)
+    assert total["decode"] == pytest.approx({"loads": 3.0, "load_seconds": 0.23, "load_fetch_seconds": 0.01})
+    assert total["prefill"] is None  # a missing reading stays missing
+    # another label's load between the two requests (5 -> 6 above, 8 -> 9 here) is not this label's
+    total = add_readings(total, {"decode": {"loads": 8.0, "load_seconds": 2.0, "load_fetch_seconds": 0.5}},
+                         {"decode": {"loads": 9.0, "load_seconds": 2.05, "load_fetch_seconds": 0.52}})
+    assert load_phase_means(first["decode"], total["decode"])["load_ms"] == pytest.approx(40.0)  # (30 + 50) / 2
+    assert add_readings(first, {"decode": None}, after)["decode"] is None
+
+
+class _Prompts:
+    """Stands in for PromptSource: numbered prompts, never the same one twice."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def take(self, count: int) -> list[str]:
+        self.n += count
+        return [f"prompt {i}" for i in range(self.n - count, self.n)]
+
+
+async def _paired_against_stub(cfg: Any, targets: list[tuple[str, int]]) -> tuple[list[Run], list[tuple[str, str]], int]:
+    """run_paired against one stub server that answers every base URL `http://host:port/<label>`; returns the
+    runs, the (label, prompt) of every completion in arrival order and the most requests it had at once."""
+    log: list[tuple[str, str]] = []
+    in_flight = most = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal in_flight, most
+        head = await reader.readuntil(b"\r\n\r\n")
+        method, path = head.split(b" ")[:2]
+        if method != b"POST":  # a router's /metrics: not a pdserve router
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        else:
+            length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+            body = json.loads(await reader.readexactly(length))
+            in_flight += 1
+            most = max(most, in_flight)
+            log.append((path.decode().split("/")[1], body["prompt"]))
+            await asyncio.sleep(0.005)
+            in_flight -= 1
+            write_sse(writer, tokens=3)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        runs = await run_paired(cfg, [Target(label, f"http://127.0.0.1:{port}/{label}", warm) for label, warm in targets],
+                                _Prompts())  # type: ignore[arg-type]
+    return runs, log, most
+
+
+def test_run_paired_sends_one_request_at_a_time_round_by_round() -> None:
+    cfg = config_from_args(["--compare", "--paired", "--max-concurrency", "1", "--num-prompts", "3", "--model", "m",
+                            "--disable-tqdm"])
+    targets = [("pd", 3), ("colocated-router", 0), ("colocated-direct", 0)]
+    runs, log, most = asyncio.run(_paired_against_stub(cfg, targets))
+    assert most == 1
+    # warm-ups first, label by label (a P/D router's first level needs more), then the rounds in schedule order
+    labels = [label for label, _ in targets]
+    assert [label for label, _ in log] == ["pd"] * 3 + labels[1:] + [x for order in paired_schedule(labels, 3) for x in order]
+    assert len({prompt for _, prompt in log}) == len(log)  # every request a fresh prompt
+    assert [(r.label, r.max_concurrency, r.metrics["completed"]) for r in runs] == [(label, 1, 3) for label in labels]
+    measured = log[5:]
+    for run in runs:  # a run's results are its own requests, in round order
+        assert len(run.results) == 3 and all(r.success and r.output_tokens == 3 for r in run.results)
+        assert 0 < run.metrics["duration_s"] and "router" not in run.metrics and "paths" not in run.metrics
+    # rounds [pd router direct], [router direct pd], [direct pd router] after prompts 0-4 went to warm-ups
+    assert [p for label, p in measured if label == "pd"] == ["prompt 5", "prompt 10", "prompt 12"]
+    paired = paired_differences(runs)
+    assert paired["pd"]["colocated-direct"]["rounds"] == 3
+
+
+def test_paired_compare_brings_every_stack_up_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --paired each stack is up alone and measured level by level; with it all are up together
+    and one paired run goes over every label."""
+    events: list[str] = []
+
+    @contextmanager
+    def fake_stack(name: str, labels: tuple[str, ...]) -> Iterator[tuple[list[Target], list[Run]]]:
+        events.append(f"up {name}")
+        yield [Target(label, f"http://{label}") for label in labels], [Run(f"{name} floor", "http://f", 1, {})]
+        events.append(f"down {name}")
+
+    async def fake_paired(cfg: Any, targets: list[Target], prompts: Any) -> list[Run]:
+        events.append("paired " + " ".join(t.label for t in targets))
+        return [Run(t.label, t.url, 1, {}) for t in targets]
+
+    def fake_level(cfg: Any, target: Target, prompts: Any, conc: int | None, first: bool) -> list[Run]:
+        events.append(f"{target.label} c={conc}{' first' if first else ''}")
+        return [Run(target.label, target.url, conc, {})]
+
+    monkeypatch.setattr(bench_serve, "load_tokenizer", lambda name: None)
+    monkeypatch.setattr(bench_serve, "PromptSource", lambda *args: None)
+    monkeypatch.setattr(bench_serve, "pd_stack", lambda *args: fake_stack("pd", ("pd", "pd-sequential")))
+    monkeypatch.setattr(bench_serve, "colocated_stack", lambda *args: fake_stack("colocated", COLOCATED_LABELS))
+    monkeypatch.setattr(bench_serve, "run_paired", fake_paired)
+    monkeypatch.setattr(bench_serve, "measure_level", fake_level)
+
+    runs = bench_serve.compare_stacks(config_from_args(["--compare", "--model", "m", "--max-concurrency", "1", "4"]))
+    assert events == ["up pd", "pd c=1 first", "pd-sequential c=1 first", "pd c=4", "pd-sequential c=4", "down pd",
+                      "up colocated", "colocated-router c=1 first", "colocated-direct c=1 first",
+                      "colocated-router c=4", "colocated-direct c=4", "down colocated"]
+    assert [r.label for r in runs][:1] == ["pd floor"] and len(runs) == 2 + 8
+    events.clear()
+    runs = bench_serve.compare_stacks(config_from_args(["--compare", "--paired", "--model", "m",
+                                                        "--max-concurrency", "1"]))
+    assert events == ["up pd", "up colocated", "paired pd pd-sequential colocated-router colocated-direct",
+                      "down colocated", "down pd"]
+    assert [r.label for r in runs] == ["pd floor", "colocated floor", "pd", "pd-sequential", *COLOCATED_LABELS]
 
 
 def test_unreachable_endpoint_is_a_clear_failure(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

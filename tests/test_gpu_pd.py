@@ -36,6 +36,9 @@ from pdserve.kvstore.client.client import KVStoreClient
 from pdserve.kvstore.client.keys import chunk_keys
 from procs import ENGINE_ARGS, ENGINE_START_TIMEOUT_S, Proc, free_port, http_ok, pdserve_argv, start_process
 
+pytest.register_assert_rewrite("router_fixtures")
+from router_fixtures import metric  # noqa: E402
+
 ON_CPU = os.environ.get("PDSERVE_TEST_ON_CPU") == "1"
 
 
@@ -122,12 +125,18 @@ class GPUStack:
                 if not proc.alive() or time.monotonic() > deadline:
                     raise AssertionError(f"{name} did not start; log {proc.log_path}:\n{proc.log_tail()}")
                 time.sleep(1.0)
-        self.router_port = free_port()
+        self.router_port = self._router("router")
+        self.first_token_router_port = self._router("router-first-token", "--pd-first-token")
+
+    def _router(self, name: str, *flags: str) -> int:
+        port = free_port()
         self.procs.append(start_process(
-            [*pdserve_argv("router"), "--port", str(self.router_port), "--prefill", self.url(self.prefill_port),
-             "--decode", self.url(self.decode_port), "--tokenizer", self.model, "--pd-min-prompt-tokens", "0"],
-            f"{self.url(self.router_port)}/health", name="router", port=self.router_port, timeout=120,
+            [*pdserve_argv("router"), "--port", str(port), "--prefill", self.url(self.prefill_port),
+             "--decode", self.url(self.decode_port), "--tokenizer", self.model, "--pd-min-prompt-tokens", "0",
+             *flags],
+            f"{self.url(port)}/health", name=name, port=port, timeout=120,
         ))
+        return port
 
     @staticmethod
     def url(port: int) -> str:
@@ -145,6 +154,15 @@ class GPUStack:
         """The store namespace of this model's KV layout, as the prefill worker reports it for a handoff."""
         out = self.complete(self.prefill_port, [5, 6, 7], max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         return out["kv_transfer_params"]["namespace"]
+
+    def stream(self, port: int, prompt: list[int]) -> list[dict]:
+        """A streamed greedy completion's events (usage included), [DONE] left out."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{self.url(port)}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            assert r.status_code == 200, r.read()
+            data = [ln[len("data: "):] for ln in r.iter_lines() if ln.startswith("data: ")]
+        return [json.loads(d) for d in data if d != "[DONE]"]
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -210,6 +228,30 @@ def test_pd_through_the_router_equals_colocated(stack: GPUStack) -> None:
     assert after.get("loads", 0) - before.get("loads", 0) == len(LENGTHS), (before, after)
     assert after.get("failed_loads", 0) == before.get("failed_loads", 0), (before, after)
     assert after.get("scatter_bytes", 0) > before.get("scatter_bytes", 0)
+
+
+def test_pd_first_token_streams_what_colocated_answers(stack: GPUStack) -> None:
+    """`--pd-first-token` on GPU engines: the prefill's token opens the stream and the decode engine, handed
+    the prompt plus that token, loads the prompt's KV (params made for its prompt's start) and goes on; the
+    text is the colocated engine's greedy answer and usage counts the handed token as generated."""
+    handed_before = metric(stack.url(stack.first_token_router_port), "pdserve_router_paths_total",
+                           {"path": "pd_first_token"})
+    before = connector_counts(stack, stack.decode_port)
+    for length in LENGTHS:
+        prompt = prompt_of(length, seed=4)
+        reference = stack.complete(stack.coloc_port, prompt)
+        events = stack.stream(stack.first_token_router_port, prompt)
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert text == reference["choices"][0]["text"], f"{stack.arch} {length} tokens"
+        assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS, events[-1]
+        assert events[-1]["usage"]["prompt_tokens"] == length, events[-1]
+    handed = metric(stack.url(stack.first_token_router_port), "pdserve_router_paths_total",
+                    {"path": "pd_first_token"}) - handed_before
+    # Prompts whose first token ends inside a character take the default flow; most start with a whole one.
+    assert handed >= len(LENGTHS) // 2, handed
+    after = _settled_counts(stack, stack.decode_port, "loads", before.get("loads", 0) + len(LENGTHS))
+    assert after.get("loads", 0) - before.get("loads", 0) == len(LENGTHS), (before, after)
+    assert after.get("failed_loads", 0) == before.get("failed_loads", 0), (before, after)
 
 
 def test_prefix_saved_by_one_engine_is_loaded_by_another(stack: GPUStack) -> None:

@@ -63,6 +63,17 @@ def test_watch_ends_unready_when_cancelled_or_out_of_time(store: KVStoreProc) ->
     assert expired.done.wait(20) and not expired.ready
 
 
+def test_watch_of_a_tail_another_engine_loaded_ends_unready_at_once(store: KVStoreProc) -> None:
+    """A decode leg retried on a second engine after the first loaded the tail (and died before its first
+    token) waits for a tail nobody writes again: its watch ends, unready (it recomputes), long before its wait."""
+    tail = handoff_tail_id("h3", list(range(40)), None)
+    with KVStoreClient(store.url) as c:
+        c.put_tail(NS, tail, [(0, b"tail")])
+        assert c.get_tail(NS, tail) is not None  # the first engine's load
+    retried, wake = _watch(store, [], tail, wait_s=300)
+    assert retried.done.wait(20) and not retried.ready and wake.is_set()
+
+
 def test_watch_on_a_dead_store_ends_unready() -> None:
     srv = start_kvstore()
     srv.stop()

@@ -197,7 +197,7 @@ def test_await_is_answered_when_the_upload_lands(server: KVStoreProc, shm: bool)
     upload lands: before its wait ends, and with everything present."""
     k1, k2 = keys(2)
     tail_id = f"req-await-{shm}"
-    answer: list[tuple[list[bool], bool]] = []
+    answer: list[p.Ready] = []
 
     def consumer() -> None:
         with KVStoreClient(server.url, shm=shm, timeout_s=5) as c:
@@ -215,7 +215,7 @@ def test_await_is_answered_when_the_upload_lands(server: KVStoreProc, shm: bool)
         producer.put_tail(NS, tail_id, [(0, b"tail")])
         waiter.join(timeout=20)
         assert not waiter.is_alive(), "the await was not answered after the upload landed"
-        assert answer == [([True, True], True)]
+        assert [(a.present, a.tail, a.tail_gone) for a in answer] == [([True, True], True, False)]
         got = producer.get(NS, [(0, k1), (0, k2)])
         assert [bytes(g) for g in got if g is not None] == [b"one", b"two"]
 
@@ -224,15 +224,58 @@ def test_await_ends_with_what_is_there_and_does_not_block_others(server: KVStore
     k_there, k_never = keys(2)
     with KVStoreClient(server.url) as c, KVStoreClient(server.url) as other:
         c.put(NS, [(0, k_there, b"x")])
-        assert c.await_ready(NS, [(0, k_there)], wait_s=30) == ([True], False)  # ready: no wait at all
-        assert c.await_ready(NS, [(0, k_there), (0, k_never)], "no-such-tail", wait_s=0) == ([True, False], False)
-        done: list[tuple[list[bool], bool]] = []
+        assert c.await_ready(NS, [(0, k_there)], wait_s=30).present == [True]  # ready: no wait at all
+        never = c.await_ready(NS, [(0, k_there), (0, k_never)], "no-such-tail", wait_s=0)
+        assert (never.present, never.tail, never.tail_gone) == ([True, False], False, False)
+        done: list[p.Ready] = []
         waiter = threading.Thread(target=lambda: done.append(c.await_ready(NS, [(0, k_never)], wait_s=0.5)))
         waiter.start()
         # the store keeps serving everyone else while an await is parked
         assert other.lookup(NS, [k_there], [0]) == 1
         waiter.join(timeout=20)
-        assert done == [([False], False)]
+        assert [(d.present, d.tail) for d in done] == [([False], False)]
+
+
+@pytest.mark.parametrize("end", ["loaded", "dropped", "expired"])
+def test_await_for_a_tail_that_is_gone_is_answered_at_once(server: KVStoreProc, end: str) -> None:
+    """A tail loaded by one consumer (or dropped, or expired) will not come again: a second consumer awaiting it
+    (a decode leg retried on another engine after the first loaded the tail and died) is told so at once rather
+    than held for its whole wait; a tail written again under that name is awaited as usual."""
+    tail_id = f"req-gone-{end}"
+    with KVStoreClient(server.url, timeout_s=5) as c:
+        c.put_tail(NS, tail_id, [(0, b"tail")], ttl_s=0.2 if end == "expired" else None)
+        if end == "loaded":
+            assert c.get_tail(NS, tail_id) is not None
+        elif end == "dropped":
+            c.drop_tail(NS, tail_id)
+        else:
+            wait_until(lambda: not c.await_ready(NS, [], tail_id, wait_s=0).tail, "the tail to expire")
+        waits_before = stat(c, "requests_total{op=await}")
+        ready = c.await_ready(NS, [], tail_id, wait_s=50)  # held 50 s if the store did not know it is gone
+        assert (ready.tail, ready.tail_gone) == (False, True)
+        assert stat(c, "requests_total{op=await}") == waits_before + 1
+        assert not c.await_ready(NS, [], "req-never-written", wait_s=0).tail_gone
+        c.put_tail(NS, tail_id, [(0, b"again")])
+        again = c.await_ready(NS, [], tail_id, wait_s=0)
+        assert (again.tail, again.tail_gone) == (True, False)
+
+
+def test_a_parked_await_is_answered_when_its_tail_is_taken() -> None:
+    """An await parked on a tail that another consumer then loads is answered by that load, not at its wait's end."""
+    from pdserve.kvstore.server.waiters import Waiters
+
+    gone: set[str] = set()
+    waiters = Waiters(clock=lambda: 0.0, cap=4)
+    req = p.Await(ns=NS, items=[], tail_id="req-taken", wait_ms=60_000)
+    assert waiters.park(b"a", req)
+
+    def check(r: p.Await) -> p.Ready:
+        return p.Ready(present=[], tail_gone=r.tail_id in gone)
+
+    assert waiters.ready(check) == []
+    gone.add("req-taken")
+    answered = waiters.ready(check)
+    assert [(parked.ident, reply.tail_gone) for parked, reply in answered] == [(b"a", True)]
 
 
 def test_parked_awaits_are_capped() -> None:

@@ -70,7 +70,10 @@ def test_the_prefills_token_opens_the_stream_and_the_decode_engine_goes_on(pd_st
     events, request_id = _stream(router.url, body)
     text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
     assert text == _direct(pd_stack, body)  # the colocated engine's greedy answer, token for token
-    assert sum(1 for e in events if e.get("choices")) == body["max_tokens"]  # one event per token, none twice
+    # The handed token's event, then the decode engine's. Its API server merges tokens into one event when it
+    # falls behind its engine (seen on 2 busy cores), so the count is a range; the text above is the proof
+    # that no token came twice.
+    assert 2 <= sum(1 for e in events if e.get("choices")) <= body["max_tokens"]
     assert {e["id"] for e in events} == {f"cmpl-{request_id}"}  # the handed token's event looks like the rest
     assert [e for e in events if e.get("choices")][-1]["choices"][0]["finish_reason"] == "length"
     # usage as the colocated engine counts it: the handed token is generated, not prompt

@@ -326,12 +326,12 @@ class _Ops:
 
     def await_ready(
         self, ns: str, items: Sequence[tuple[int, bytes]], tail_id: str | None, wait_s: float
-    ) -> _Op[tuple[list[bool], bool]]:
+    ) -> _Op[p.Ready]:
         wait_ms = max(0, min(p.MAX_WAIT_MS, round(wait_s * 1000)))
         msg = p.Await(ns=ns, items=[p.ItemRef(*it) for it in items], tail_id=tail_id, wait_ms=wait_ms)
         rep = _expect((yield _Send(msg, grace_s=wait_ms / 1000)), p.Ready, self.url)
         _check_len(rep.present, items, self.url)
-        return rep.present, rep.tail
+        return rep
 
     def get_tail(
         self, ns: str, request_id: str, out: dict[int, Buffer] | None = None, visit: Visitor | None = None
@@ -560,9 +560,10 @@ class KVStoreClient:
 
     def await_ready(
         self, ns: str, items: Sequence[tuple[int, bytes]], tail_id: str | None = None, wait_s: float = 0.0
-    ) -> tuple[list[bool], bool]:
-        """Which items are stored, and whether the tail `tail_id` is complete, once all are or after
-        `wait_s` (the server holds the answer; no polling). wait_s=0 answers at once."""
+    ) -> p.Ready:
+        """Which items are stored, and whether the tail `tail_id` is complete (or gone for good), once all
+        are, once the tail is gone, or after `wait_s` (the server holds the answer; no polling). wait_s=0
+        answers at once."""
         return self._run(self._ops.await_ready, ns, items, tail_id, wait_s)
 
     def stats(self) -> dict:
@@ -688,7 +689,7 @@ class AsyncKVStoreClient:
 
     async def await_ready(
         self, ns: str, items: Sequence[tuple[int, bytes]], tail_id: str | None = None, wait_s: float = 0.0
-    ) -> tuple[list[bool], bool]:
+    ) -> p.Ready:
         return await self._run(self._ops.await_ready, ns, items, tail_id, wait_s)
 
     async def stats(self) -> dict:

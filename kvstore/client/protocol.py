@@ -253,10 +253,16 @@ class TailLoaded(_Rep, tag="tail"):
 
 
 class Ready(_Rep, tag="ready"):
-    """Per awaited item: stored now; `tail`: the named tail is complete (False when none was named)."""
+    """Per awaited item: stored now; `tail`: the named tail is complete (False when none was named);
+    `tail_gone`: it was here and is gone (loaded by a consumer, dropped or expired), so it will not come."""
 
     present: list[bool]
     tail: bool = False
+    tail_gone: bool = False
+
+    def settled(self, tail_id: str | None) -> bool:
+        """Nothing more worth waiting for: everything is there, or the tail named will not come."""
+        return self.tail_gone or (all(self.present) and (tail_id is None or self.tail))
 
 
 class StatsReply(_Rep, tag="stats"):

@@ -85,9 +85,12 @@ class HandoffWatch:
             with KVStoreClient(**{**self.client_args, "shm": False}) as client:
                 while not self._cancelled:
                     left = self.deadline - time.monotonic()
-                    present, tail = client.await_ready(self.namespace, self.items, self.tail_id,
-                                                       max(0.0, min(left, WATCH_SLICE_S)))
-                    if all(present) and (self.tail_id is None or tail):
+                    ready = client.await_ready(self.namespace, self.items, self.tail_id,
+                                               max(0.0, min(left, WATCH_SLICE_S)))
+                    if ready.tail_gone:  # another engine loaded it (a retried leg), or it was dropped
+                        log.info("handoff %s is gone from the store; recomputing", self.tail_id)
+                        return
+                    if ready.settled(self.tail_id):
                         self.ready = True
                         return
                     if left <= WATCH_SLICE_S:

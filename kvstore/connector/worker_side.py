@@ -326,8 +326,11 @@ class WorkerIO:
             # The producer is still uploading: the store answers when the rest has landed. In slices,
             # so a store that dies meanwhile is noticed within about a reply deadline.
             still = [refs[i] for i in chunk_idx if not done[i]]
-            client.await_ready(self.namespace, still, job.tail_id if tail_pending else None, min(left, AWAIT_SLICE_S))
+            ready = client.await_ready(self.namespace, still, job.tail_id if tail_pending else None,
+                                       min(left, AWAIT_SLICE_S))
             waits += 1
+            if ready.tail_gone:  # loaded by another engine or dropped: it will not come, so load no longer
+                tail_pending = False
         self.stats.add(load_fetch_seconds=time.perf_counter() - start - scatter_s, load_fetch_waits=waits)
         for i, spec in enumerate(job.objects):
             if not done[i]:  # missing (or its tail never came): vLLM recomputes those blocks

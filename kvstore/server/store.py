@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 TailKey = tuple[str, str]  # (namespace, request id)
 _NO_ROOM = Obj(id=0, offset=0, size=0, span=0)  # sentinel: stored in L2, no unleased room in L1 now
 MAX_TAIL_TTL_S = 3600.0
+# A tail that was here and is gone (loaded, dropped, expired) is remembered this long, at most this many, so
+# an Await for it is answered at once instead of waiting for a tail that will not come: a decode leg retried
+# on another engine after the first one loaded the tail (and died) asks for a tail nobody will write again.
+GONE_TAIL_KEEP_S = 600.0  # as long as the longest handoff wait (the connector's MAX_HANDOFF_WAIT_S)
+GONE_TAILS_MAX = 65536
 
 
 class Conflict(ValueError):
@@ -73,6 +79,7 @@ class Store:
         self.l2 = L2(cfg.l2_path, cfg.l2_bytes, on_evict=self._l2_evicted) if cfg.l2_path else None
         self.layouts: dict[str, KVLayout] = {}
         self.tails: dict[TailKey, Tail] = {}
+        self.gone_tails: OrderedDict[TailKey, float] = OrderedDict()  # when each is forgotten, oldest first
         self.leases: dict[int, Lease] = {}  # insertion order == deadline order
         self._next_lease = 1
         self.sending = 0  # objects leased to frames ZMQ has not sent yet
@@ -138,11 +145,14 @@ class Store:
         self.metrics.lookup_hits.inc(count)
         return count
 
-    def ready(self, ns: str, refs: Sequence[p.ItemRef], tail_id: str | None) -> tuple[list[bool], bool]:
-        """Which items are stored, and whether the named tail is complete (an Await's answer)."""
+    def ready(self, ns: str, refs: Sequence[p.ItemRef], tail_id: str | None) -> p.Ready:
+        """Which items are stored, and whether the named tail is complete or gone (an Await's answer)."""
         present = [self._has((ns, ref.group, ref.key)) for ref in refs]
-        tail = self.tails.get((ns, tail_id)) if tail_id is not None else None
-        return present, tail is not None and not tail.pending
+        if tail_id is None:
+            return p.Ready(present=present)
+        tail = self.tails.get((ns, tail_id))
+        return p.Ready(present=present, tail=tail is not None and not tail.pending,
+                       tail_gone=tail is None and (ns, tail_id) in self.gone_tails)
 
     def check_await(self, ns: str, refs: Sequence[p.ItemRef], tail_id: str | None, wait_ms: int) -> None:
         p.check_namespace(ns)
@@ -385,6 +395,7 @@ class Store:
             tail.objs[it.group] = obj
         self.drop_tail(ns, request_id)
         self.tails[(ns, request_id)] = tail
+        self.gone_tails.pop((ns, request_id), None)
         return tail
 
     def put_tail_frames(
@@ -416,6 +427,7 @@ class Store:
             self.metrics.misses.inc()
             return None
         del self.tails[(ns, request_id)]
+        self._bury((ns, request_id))
         out = LoadResult(found=[], shm=shm)
         for obj in tail.objs.values():
             self.metrics.hits.labels("tail").inc()
@@ -428,8 +440,16 @@ class Store:
         p.check_request_id(request_id)
         tail = self.tails.pop((ns, request_id), None)
         if tail is not None:
+            self._bury((ns, request_id))
             for obj in tail.objs.values():
                 self.l1.discard(obj)
+
+    def _bury(self, key: TailKey) -> None:
+        """Remember that this tail is gone (see GONE_TAIL_KEEP_S)."""
+        self.gone_tails[key] = self.clock() + GONE_TAIL_KEEP_S
+        self.gone_tails.move_to_end(key)
+        while len(self.gone_tails) > GONE_TAILS_MAX:
+            self.gone_tails.popitem(last=False)
 
     # ------------------------------------------------------------ upkeep
 
@@ -438,6 +458,8 @@ class Store:
         now = self.clock()
         for key in [k for k, t in self.tails.items() if t.deadline <= now]:
             self.drop_tail(*key)
+        while self.gone_tails and next(iter(self.gone_tails.values())) <= now:
+            self.gone_tails.popitem(last=False)
         while self.leases:
             lease_id, lease = next(iter(self.leases.items()))
             if lease.deadline > now:

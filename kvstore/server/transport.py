@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 200  # upkeep (tail TTLs, lease deadlines) runs about this often
 _BATCH = 64  # messages handled between checks for sent frames when busy
-# Messages after which a parked Await may be ready.
-_STORES = (p.Put, p.PutTail, p.Commit)
+# Messages after which a parked Await may be answered: something stored, or a tail gone.
+_SETTLING = (p.Put, p.PutTail, p.Commit, p.GetTail, p.DropTail)
 
 
 class StaleArena(Exception):
@@ -65,7 +65,7 @@ class ZmqServer:
         self._in_flight: list[tuple[zmq.MessageTracker, list[Obj]]] = []
         self._token = cfg.auth_token.encode() if cfg.auth_token else None
         self.waiters = Waiters()
-        self._stored = False  # a message since the last wake-up may have stored something awaited
+        self._settling = False  # a message since the last wake-up may have settled a parked await
 
     # ------------------------------------------------------------ loop
 
@@ -92,16 +92,16 @@ class ZmqServer:
         self.ctx.term()
 
     def _wake(self) -> None:
-        """Answer parked awaits that are ready (after something was stored) or whose wait ended."""
-        answers = self.waiters.ready(self._ready) if self._stored else []
-        self._stored = False
+        """Answer parked awaits that are ready (after a message that may settle one: a store, a tail taken or
+        dropped) or whose wait ended."""
+        answers = self.waiters.ready(self._ready) if self._settling else []
+        self._settling = False
         for parked, reply in answers + self.waiters.due(self._ready):
             reply.id = parked.req.id
             self._send(parked.ident, reply, None)
 
     def _ready(self, req: p.Await) -> p.Ready:
-        present, tail = self.store.ready(req.ns, req.items, req.tail_id)
-        return p.Ready(present=present, tail=tail)
+        return self.store.ready(req.ns, req.items, req.tail_id)
 
     def _reap_sent(self) -> None:
         if not self._in_flight:
@@ -133,7 +133,7 @@ class ZmqServer:
             if isinstance(req, p.Release):  # one-way
                 self.store.release(req.leases, req.corrupt)
                 return
-            self._stored |= isinstance(req, _STORES)
+            self._settling |= isinstance(req, _SETTLING)
             if isinstance(req, p.Await) and self._park(ident, req):
                 return
             reply, loaded = self._dispatch(req, [f.buffer for f in frames[2:]])
@@ -225,8 +225,7 @@ class ZmqServer:
         self.store.check_await(req.ns, req.items, req.tail_id, req.wait_ms)
         if req.wait_ms == 0:
             return False
-        reply = self._ready(req)
-        if all(reply.present) and (req.tail_id is None or reply.tail):
+        if self._ready(req).settled(req.tail_id):
             return False
         return self.waiters.park(ident, req)
 

@@ -69,7 +69,7 @@ class Waiters:
             if parked.answered:
                 continue
             reply = check(parked.req)
-            if all(reply.present) and (parked.req.tail_id is None or reply.tail):
+            if reply.settled(parked.req.tail_id):
                 out.append((self._take(parked), reply))
         return out
 
