@@ -89,15 +89,16 @@ def request_body(model: str, shape: Shape, salt: int, **extra: Any) -> dict[str,
     return body
 
 
-def classify_reply(status: int, body: bytes) -> str:
-    """A whole (non-streamed) reply that is not a 200."""
+def classify_reply(status: int, body: bytes) -> tuple[str, str]:
+    """A whole (non-streamed) reply that is not a 200: its kind, and a detail (status and error message)
+    so that a row with unexpected errors says which."""
     try:
         error = json.loads(body).get("error")
     except (ValueError, AttributeError):
         error = None
     if status >= 400 and isinstance(error, dict):
-        return "error"
-    return "5xx_nojson" if status >= 500 else "broken"
+        return "error", f"{status} {str(error.get('message'))[:120]}"
+    return ("5xx_nojson" if status >= 500 else "broken"), f"{status} {body[:120]!r}"
 
 
 def send(client: httpx.Client, base: str, body: dict[str, Any], route: str,
@@ -109,14 +110,14 @@ def send(client: httpx.Client, base: str, body: dict[str, Any], route: str,
     try:
         with client.stream("POST", base + PATHS[route], json=body, timeout=HANG_S) as resp:
             if resp.status_code != 200:
-                out.kind = classify_reply(resp.status_code, resp.read())
+                out.kind, out.detail = classify_reply(resp.status_code, resp.read())
                 return out
             if not body.get("stream"):
                 reply = json.loads(resp.read())
                 full = reply.get("usage", {}).get("completion_tokens") == body["max_tokens"]
                 out.kind = "full" if full and reply.get("choices") else "broken"
                 return out
-            out.kind, out.ttft = _read_stream(resp, body["max_tokens"], started, abort_after_chunks)
+            out.kind, out.ttft, out.detail = _read_stream(resp, body["max_tokens"], started, abort_after_chunks)
     except httpx.TimeoutException:
         out.kind = "hang"
     except (httpx.HTTPError, ValueError) as exc:
@@ -125,11 +126,12 @@ def send(client: httpx.Client, base: str, body: dict[str, Any], route: str,
 
 
 def _read_stream(resp: httpx.Response, max_tokens: int, started: float,
-                 abort_after: int | None) -> tuple[str, float | None]:
+                 abort_after: int | None) -> tuple[str, float | None, str]:
+    """The stream's kind, its time to first token, and a detail (an error event's message)."""
     ttft, chunks, tokens, done = None, 0, None, False
     for line in resp.iter_lines():
         if time.monotonic() - started > HANG_S:
-            return "hang", ttft
+            return "hang", ttft, ""
         if not line.startswith("data: "):
             continue
         if line == "data: [DONE]":
@@ -137,15 +139,16 @@ def _read_stream(resp: httpx.Response, max_tokens: int, started: float,
             break
         event = json.loads(line[len("data: "):])
         if "error" in event:
-            return "error", ttft
+            error = event["error"]
+            return "error", ttft, f"stream {str(error.get('message') if isinstance(error, dict) else error)[:120]}"
         chunks += 1
         if ttft is None and event.get("choices"):
             ttft = time.monotonic() - started
         if event.get("usage"):
             tokens = event["usage"].get("completion_tokens")
         if abort_after is not None and chunks >= abort_after:
-            return "aborted", ttft  # leaving the `with` closes the connection mid-stream
-    return ("full" if done and tokens == max_tokens else "broken"), ttft
+            return "aborted", ttft, ""  # leaving the `with` closes the connection mid-stream
+    return ("full" if done and tokens == max_tokens else "broken"), ttft, f"done={done} tokens={tokens}"
 
 
 class Load:
@@ -243,7 +246,8 @@ def _raw(fs: FaultStack, payload: bytes, headers: dict[str, str]) -> Outcome:
             conn.putheader(key, value)
         conn.endheaders(payload)
         resp = conn.getresponse()
-        return Outcome(classify_reply(resp.status, resp.read()), started)
+        kind, detail = classify_reply(resp.status, resp.read())
+        return Outcome(kind, started, detail=detail)
     except socket.timeout:
         return Outcome("hang", started)
     except (OSError, http.client.HTTPException) as exc:
@@ -297,6 +301,7 @@ class Row:
     scenario: str
     counts: Counter = field(default_factory=Counter)  # the load's and the fault's own requests
     own: list[Outcome] = field(default_factory=list)  # the fault's own requests (bad inputs, aborts), in order
+    details: Counter = field(default_factory=Counter)  # "kind: detail" of every answer that was not full
     live_tails: float | None = None  # after the tail TTL; None: the store did not answer
     engine_requests: float | None = None  # running + waiting, all engines; None: one did not answer
     recovered: bool = False
@@ -328,6 +333,7 @@ def run_scenario(fs: FaultStack, name: str, fault: Callable[[FaultStack], list[O
     row.live_tails, row.engine_requests = _leaks(fs)
     row.own = own
     row.counts = Counter(o.kind for o in load.outcomes + own)
+    row.details = Counter(f"{o.kind}: {o.detail}" for o in load.outcomes + own if o.kind != "full")
     with httpx.Client() as client:
         shape = SHAPES[2]
         after = send(client, fs.url, request_body(fs.model, shape, salt=424242), shape.route)
@@ -358,6 +364,8 @@ def format_table(rows: Sequence[Row]) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *lines)]
     out = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
            for line in [head, *lines]]
+    for r in rows:  # what the answers that were not full said, most common first
+        out += [f"  {r.scenario}: {n} x {detail}" for detail, n in r.details.most_common(5)]
     return "\n".join(out)
 
 
