@@ -256,6 +256,7 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, base_url: st
 _ROUTER_SERIES = {"handoff": "pdserve_router_handoff_seconds", "router_overhead": "pdserve_router_overhead_seconds"}
 _PHASE_SERIES = "pdserve_router_phase_seconds"
 OVERLAP_AT = "overlap_at_"  # router_paths' keys of the overlapped decode legs by when they went out
+TTFT_BY_PATH = "ttft_"  # router_paths' keys of the router's TTFT seconds by path: ttft_sum_<path>, ttft_count_<path>
 # The phases of a P/D request's way to its first token as the router times them (router/flow/decode_leg.py:
 # pd_phases), in the order they happen; together they are the router's TTFT of the request.
 PHASES = {"before_first_call": "router before the first call", "prefill_leg": "prefill leg",
@@ -295,18 +296,32 @@ async def router_totals(client: httpx.AsyncClient, base_url: str) -> dict[str, t
 
 
 def path_counts(text: str) -> dict[str, float]:
-    """A router's requests by path (pd, pd_overlap, decode_only_<why>) in a /metrics page, and its overlapped
-    ones by when their decode leg went out (`OVERLAP_AT` + start, estimate or answer: router/metrics.py)."""
+    """A router's requests by path (pd, pd_overlap, decode_only_<why>) in a /metrics page, its overlapped
+    ones by when their decode leg went out (`OVERLAP_AT` + start, estimate or answer: router/metrics.py),
+    and the sum and count of its streamed requests' TTFT by path (`TTFT_BY_PATH` keys, all routes)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    counts = {}
+    counts: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if fam.name == "pdserve_router_paths" and s.name.endswith("_total"):
                 counts[s.labels["path"]] = s.value
             elif fam.name == "pdserve_router_overlap_sends" and s.name.endswith("_total"):
                 counts[OVERLAP_AT + s.labels["at"]] = s.value
+            elif fam.name == "pdserve_router_ttft_seconds" and s.name.endswith(("_sum", "_count")) and "path" in s.labels:
+                key = f"{TTFT_BY_PATH}{s.name.rsplit('_', 1)[1]}_{s.labels['path']}"
+                counts[key] = counts.get(key, 0.0) + s.value
     return counts
+
+
+def ttft_by_path(paths: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """(mean TTFT ms, streamed requests) per path, from a run's `path_counts` deltas."""
+    out = {}
+    for key, count in paths.items():
+        if key.startswith(f"{TTFT_BY_PATH}count_") and count:
+            path = key.removeprefix(f"{TTFT_BY_PATH}count_")
+            out[path] = (paths.get(f"{TTFT_BY_PATH}sum_{path}", 0.0) / count * 1e3, count)
+    return out
 
 
 def router_paths(base_url: str) -> dict[str, float]:
@@ -599,10 +614,13 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
               f"{m['ttft_ms']['p50']:>10.1f}{m['ttft_ms']['p90']:>9.1f}{m['ttft_ms']['p99']:>9.1f}"
               f"{m['tpot_ms']['p50']:>10.2f}{m['itl_ms']['p50']:>9.2f}{m['itl_ms']['p99']:>9.2f}")
         if m.get("paths"):  # the warm-up request counts too
-            paths = sorted((k, v) for k, v in m["paths"].items() if not k.startswith(OVERLAP_AT))
+            paths = sorted((k, v) for k, v in m["paths"].items() if not k.startswith((OVERLAP_AT, TTFT_BY_PATH)))
             sends = sorted((k.removeprefix(OVERLAP_AT), v) for k, v in m["paths"].items() if k.startswith(OVERLAP_AT))
             print(f"{'':<20}paths: " + ", ".join(f"{k} {v:g}" for k, v in paths)
                   + ("; overlapped decode legs sent at: " + ", ".join(f"{k} {v:g}" for k, v in sends) if sends else ""))
+            if ttfts := ttft_by_path(m["paths"]):
+                print(f"{'':<20}router TTFT mean by path: "
+                      + ", ".join(f"{k} {ms:.1f} ms ({n:g})" for k, (ms, n) in sorted(ttfts.items())))
         if "goodput" in m:
             g = m["goodput"]
             print(f"{'':<20}goodput {g['request_throughput']:.2f} req/s ({g['fraction']:.0%} within {g['slo_ms']})")

@@ -31,7 +31,9 @@ class RouterMetrics:
             registry=r,
         )
         self.ttft = Histogram(
-            "pdserve_router_ttft_seconds", "Time to first token seen by the router", ["route"], buckets=_BUCKETS, registry=r
+            "pdserve_router_ttft_seconds", "Time to first token seen by the router, by route and by path (as in "
+            "pdserve_router_paths): how long each path makes a client wait is what the path planner trades",
+            ["route", "path"], buckets=_BUCKETS, registry=r
         )
         self.itl = Histogram(
             "pdserve_router_itl_seconds", "Time between streamed chunks after the first token", buckets=_BUCKETS, registry=r

@@ -26,7 +26,7 @@ from pdserve.bench.engine_counters import load_phase_means
 from pdserve.bench.serve import (CACHED_FLOOR_LABEL, COLOCATED_LABELS, DECODE_DIRECT_LABEL, FLOOR_LABELS,
                                  OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, Target, add_readings, comparison, config_from_args,
                                  floor_and_phase_lines, load_tokenizer, main, paired_differences, paired_schedule,
-                                 path_counts, print_summary, router_means, router_sums, run_load, run_paired,
+                                 path_counts, print_summary, ttft_by_path, TTFT_BY_PATH, router_means, router_sums, run_load, run_paired,
                                  summarize, warmups)
 from pdserve.router.flow.call import Call
 from pdserve.router.flow.decode_leg import DecodeLeg, pd_phases
@@ -125,11 +125,20 @@ def test_path_counts_read_a_routers_paths_and_when_its_overlapped_decode_legs_we
     metrics.paths.labels("pd_overlap").inc(5)
     metrics.overlap_sends.labels("estimate").inc(3)
     metrics.overlap_sends.labels("answer").inc(2)
+    for route, path, seconds in (("completions", "pd_overlap", 0.1), ("chat", "pd_overlap", 0.2),
+                                 ("completions", "decode_only_prefill_queue", 0.05)):
+        metrics.ttft.labels(route, path).observe(seconds)
     counts = path_counts(metrics.exposition().decode())
-    assert counts == {"pd": 1, "pd_overlap": 5, OVERLAP_AT + "estimate": 3, OVERLAP_AT + "answer": 2}
+    assert {k: v for k, v in counts.items() if not k.startswith(TTFT_BY_PATH)} == {
+        "pd": 1, "pd_overlap": 5, OVERLAP_AT + "estimate": 3, OVERLAP_AT + "answer": 2}
+    means = ttft_by_path(counts)
+    assert {k: n for k, (_, n) in means.items()} == {"pd_overlap": 2, "decode_only_prefill_queue": 1}
+    assert {k: ms for k, (ms, _) in means.items()} == pytest.approx({"pd_overlap": 150.0, "decode_only_prefill_queue": 50.0})
     runs = [Run("pd", "http://r", 1, {**summarize([_result(0.1, 0.5, 5)], 1.0, {}), "paths": counts})]
     print_summary(runs, [])
-    assert "paths: pd 1, pd_overlap 5; overlapped decode legs sent at: answer 2, estimate 3" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "paths: pd 1, pd_overlap 5; overlapped decode legs sent at: answer 2, estimate 3" in out
+    assert "router TTFT mean by path: decode_only_prefill_queue 50.0 ms (1), pd_overlap 150.0 ms (2)" in out
 
 
 def test_router_sums_reads_each_phase_by_its_label() -> None:

@@ -136,8 +136,13 @@ class PDFlow:
         if path == "pd":
             data = await self.prefill_leg.run(call, ctx)
             path, payload, t_prefill_done = await self._after_prefill(call, data)
-        self.metrics.series(self.metrics.paths, path).inc()
+        self._count_path(call, path)
         return await self._respond(call, await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done))
+
+    def _count_path(self, call: Call, path: str) -> None:
+        """The path the request takes, in the path counts and on the call (its TTFT is counted by path)."""
+        call.path = path
+        self.metrics.series(self.metrics.paths, path).inc()
 
     async def _after_prefill(self, call: Call, data: dict[str, Any] | None) -> tuple[str, bytes, float | None]:
         """(path, decode payload, when the prefill answered) once the prefill leg has ended and, on the
@@ -162,10 +167,10 @@ class PDFlow:
         handed = first_token.handed_token(data) if data is not None else None
         if data is None or handed is None:
             path, payload, t_prefill_done = await self._after_prefill(call, data)
-            self.metrics.series(self.metrics.paths, path).inc()
+            self._count_path(call, path)
             return await self._respond(call, await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done))
         token, text = handed
-        self.metrics.series(self.metrics.paths, "pd_first_token").inc()
+        self._count_path(call, "pd_first_token")
         # The decode leg's headers before the token: a request its engine refuses (its context too long
         # for max_tokens, say) gets that engine's error as the response, as in the default flow, not a
         # token and then an error event. It costs the first token the decode engine's ingest.
@@ -213,7 +218,7 @@ class PDFlow:
             if decode is not None:
                 drop_leg(decode)
             raise
-        self.metrics.series(self.metrics.paths, path).inc()
+        self._count_path(call, path)
         return await self._respond(call, leg)
 
     async def _until_due(self, call: Call, producer: Worker, prefill: "asyncio.Future[Any]") -> str:

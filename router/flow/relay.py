@@ -193,7 +193,7 @@ class Relay:
     def _observe_handed_token(self, call: Call, now: float, relay_s: float) -> None:
         """TTFT and the phases of a stream whose first token the prefill made: the router before its first call,
         the prefill leg, the router's work on the answer (between the legs), no decode leg, relaying."""
-        self.metrics.series(self.metrics.ttft, call.route).observe(now - call.t0)
+        self.metrics.series(self.metrics.ttft, call.route, call.path).observe(now - call.t0)
         t_first = call.t_first_call if call.t_first_call is not None else now
         t_answer = call.t_prefill_answer if call.t_prefill_answer is not None else now
         self.metrics.observe_phases({"before_first_call": t_first - call.t0, "prefill_leg": t_answer - t_first,
@@ -205,7 +205,7 @@ class Relay:
         self.metrics.series(self.metrics.leg, "decode").observe(now - leg.t_sent)
         if call.token_shown:  # TTFT and its phases were the prefill's token's (stream_handed)
             return
-        self.metrics.series(self.metrics.ttft, call.route).observe(now - call.t0)
+        self.metrics.series(self.metrics.ttft, call.route, call.path).observe(now - call.t0)
         if call.recompute is not None:
             call.recompute.first_token(leg.slot.worker, leg.t_sent, now)
         own = (call.t_first_call or leg.t_sent) - call.t0 + relay_s
