@@ -13,7 +13,10 @@ colocated single engine behind the router (decode-only, every prompt prefilled
 locally) and benchmarks it through the router and directly. The handoff overhead is
 P/D TTFT minus colocated TTFT (both through the router); the router overhead is the
 colocated engine through the router minus the same engine addressed directly. The
-stacks run one after the other so neither competes with the other for the CPU.
+stacks run one after the other so neither competes with the other for the CPU. Before
+each concurrency level, the engine that decodes in each stack gets a few unmeasured
+closed-loop rounds at that concurrency (`warm_engines`), so no label pays for kernels
+built on first sight of a batch shape.
 
 `--compare --paired --max-concurrency 1` brings all the stacks up at once instead and
 sends one request at a time, round by round: one to each label (the P/D routers, the
@@ -953,8 +956,34 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
             # Every label of the stack runs a level before the next level starts, so slow drift in the machine's
             # load does not land on one side of a difference between two labels (colocated router vs direct).
             for n, conc in enumerate(cfg.max_concurrency):
+                asyncio.run(warm_engines(bench, targets, prompts, conc))
                 runs += [run for t in targets for run in measure_level(bench, t, prompts, conc, first=n == 0)]
     return runs
+
+
+# Unmeasured closed-loop requests per slot of a level's concurrency, straight to each engine that decodes,
+# before a stack's labels run that level. A label's own warm-ups are one batch sent together; the first label
+# of each stack still paid about 1 s on a few requests, later ones not (H200, 2k tokens, c=8, 48 prompts, two
+# runs: p90 0.8-1.1 s on the first P/D router and on the colocated router, 0.07-0.13 s after). The engines
+# build kernels for batch shapes the first time they see them, and the shapes of a steady closed loop (prefills
+# mixed into decode steps, a decode-only prompt recomputed beside running streams) differ from one burst's.
+ENGINE_WARMUP_ROUNDS = 3
+
+
+def engines_to_warm(targets: Sequence[Target]) -> list[str]:
+    """The engines that decode for a stack's labels: a P/D stack's decode engine, the colocated engine."""
+    urls = [t.engines["decode"] for t in targets if "decode" in t.engines]
+    urls += [t.url for t in targets if t.label == COLOCATED_LABELS[1]]
+    return list(dict.fromkeys(urls))
+
+
+async def warm_engines(cfg: BenchConfig, targets: Sequence[Target], prompts: PromptSource, conc: int | None) -> None:
+    """ENGINE_WARMUP_ROUNDS * conc requests at `conc` to each of `engines_to_warm` (none without warm-ups)."""
+    if not cfg.num_warmups:
+        return
+    for url in engines_to_warm(targets):
+        warm = prompts.take(ENGINE_WARMUP_ROUNDS * (conc or 1))
+        await run_load(cfg, url, str(cfg.model), [], warm, conc, f"engine warm-up c={conc or 'inf'}")
 
 
 @contextmanager

@@ -13,7 +13,7 @@ import json
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
 
 import httpx
 import matplotlib.image
@@ -23,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench import processes
 from pdserve.bench import serve as bench_serve
 from pdserve.bench.engine_counters import load_phase_means
-from pdserve.bench.serve import (CACHED_FLOOR_LABEL, COLOCATED_LABELS, DECODE_DIRECT_LABEL, FLOOR_LABELS,
+from pdserve.bench.serve import (CACHED_FLOOR_LABEL, COLOCATED_LABELS, DECODE_DIRECT_LABEL, ENGINE_WARMUP_ROUNDS,
+                                 FLOOR_LABELS, engines_to_warm, warm_engines,
                                  OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, Target, add_readings, comparison, config_from_args,
                                  floor_and_phase_lines, load_tokenizer, main, paired_differences, paired_schedule,
                                  path_counts, print_summary, ttft_by_path, TTFT_BY_PATH, router_means, router_sums, run_load, run_paired,
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 
 # Imported as a plugin (not by name) so its session stack is shared and its asserts are rewritten.
 pytest_plugins = ["pdstack_fixtures"]
+
+T = TypeVar("T")
 
 
 def write_sse(writer: asyncio.StreamWriter, tokens: int) -> None:
@@ -422,9 +425,9 @@ class _Prompts:
         return [f"prompt {i}" for i in range(self.n - count, self.n)]
 
 
-async def _paired_against_stub(cfg: Any, targets: list[tuple[str, int]]) -> tuple[list[Run], list[tuple[str, str]], int]:
-    """run_paired against one stub server that answers every base URL `http://host:port/<label>`; returns the
-    runs, the (label, prompt) of every completion in arrival order and the most requests it had at once."""
+async def _against_stub(action: Callable[[str], Awaitable[T]]) -> tuple[T, list[tuple[str, str]], int]:
+    """`action(stub)` against one stub server that answers every base URL `<stub>/<label>`; returns what it
+    returned, the (label, prompt) of every completion in arrival order and the most requests it had at once."""
     log: list[tuple[str, str]] = []
     in_flight = most = 0
 
@@ -449,9 +452,36 @@ async def _paired_against_stub(cfg: Any, targets: list[tuple[str, int]]) -> tupl
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server:
-        runs = await run_paired(cfg, [Target(label, f"http://127.0.0.1:{port}/{label}", warm) for label, warm in targets],
-                                _Prompts())  # type: ignore[arg-type]
-    return runs, log, most
+        out = await action(f"http://127.0.0.1:{port}")
+    return out, log, most
+
+
+async def _paired_against_stub(cfg: Any, targets: list[tuple[str, int]]) -> tuple[list[Run], list[tuple[str, str]], int]:
+    """run_paired against the stub, each label at `<stub>/<label>`."""
+    return await _against_stub(lambda stub: run_paired(
+        cfg, [Target(label, f"{stub}/{label}", warm) for label, warm in targets], _Prompts()))  # type: ignore[arg-type]
+
+
+def test_each_engine_that_decodes_is_warmed_in_a_closed_loop_at_the_levels_concurrency() -> None:
+    """A P/D stack's decode engine and the colocated engine get ENGINE_WARMUP_ROUNDS * c requests, at most c at
+    once; routers and the prefill engine get none (their labels' own warm-ups reach them)."""
+    cfg = config_from_args(["--compare", "--max-concurrency", "2", "--model", "m", "--disable-tqdm"])
+
+    async def warm(stub: str) -> None:
+        targets = [Target("pd", f"{stub}/router", 6, {"decode": f"{stub}/decode", "prefill": f"{stub}/prefill"}),
+                   Target("pd-sequential", f"{stub}/router2", 6, {"decode": f"{stub}/decode", "prefill": f"{stub}/prefill"}),
+                   Target("colocated-router", f"{stub}/corouter"), Target("colocated-direct", f"{stub}/engine")]
+        assert engines_to_warm(targets) == [f"{stub}/decode", f"{stub}/engine"]
+        await warm_engines(cfg, targets, _Prompts(), 2)  # type: ignore[arg-type]
+
+    _, log, most = asyncio.run(_against_stub(warm))
+    rounds = ENGINE_WARMUP_ROUNDS * 2
+    assert [label for label, _ in log] == ["decode"] * rounds + ["engine"] * rounds
+    assert most == 2 and len({prompt for _, prompt in log}) == len(log)
+    no_warmups = config_from_args(["--compare", "--num-warmups", "0", "--model", "m", "--disable-tqdm"])
+    _, log, _ = asyncio.run(_against_stub(lambda stub: warm_engines(
+        no_warmups, [Target("colocated-direct", f"{stub}/engine")], _Prompts(), 2)))  # type: ignore[arg-type]
+    assert log == []
 
 
 def test_run_paired_sends_one_request_at_a_time_round_by_round() -> None:
@@ -494,17 +524,22 @@ def test_paired_compare_brings_every_stack_up_at_once(monkeypatch: pytest.Monkey
         events.append(f"{target.label} c={conc}{' first' if first else ''}")
         return [Run(target.label, target.url, conc, {})]
 
+    async def fake_warm(cfg: Any, targets: list[Target], prompts: Any, conc: int | None) -> None:
+        events.append(f"warm c={conc}")
+
     monkeypatch.setattr(bench_serve, "load_tokenizer", lambda name: None)
     monkeypatch.setattr(bench_serve, "PromptSource", lambda *args: None)
     monkeypatch.setattr(bench_serve, "pd_stack", lambda *args: fake_stack("pd", ("pd", "pd-sequential")))
     monkeypatch.setattr(bench_serve, "colocated_stack", lambda *args: fake_stack("colocated", COLOCATED_LABELS))
     monkeypatch.setattr(bench_serve, "run_paired", fake_paired)
     monkeypatch.setattr(bench_serve, "measure_level", fake_level)
+    monkeypatch.setattr(bench_serve, "warm_engines", fake_warm)
 
     runs = bench_serve.compare_stacks(config_from_args(["--compare", "--model", "m", "--max-concurrency", "1", "4"]))
-    assert events == ["up pd", "pd c=1 first", "pd-sequential c=1 first", "pd c=4", "pd-sequential c=4", "down pd",
-                      "up colocated", "colocated-router c=1 first", "colocated-direct c=1 first",
-                      "colocated-router c=4", "colocated-direct c=4", "down colocated"]
+    assert events == ["up pd", "warm c=1", "pd c=1 first", "pd-sequential c=1 first", "warm c=4", "pd c=4",
+                      "pd-sequential c=4", "down pd", "up colocated", "warm c=1", "colocated-router c=1 first",
+                      "colocated-direct c=1 first", "warm c=4", "colocated-router c=4", "colocated-direct c=4",
+                      "down colocated"]
     assert [r.label for r in runs][:1] == ["pd floor"] and len(runs) == 2 + 8
     events.clear()
     runs = bench_serve.compare_stacks(config_from_args(["--compare", "--paired", "--model", "m",

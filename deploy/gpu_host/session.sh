@@ -13,6 +13,7 @@
 #   bench-2k-c1      the same at c=1 only, 24 prompts (a steadier p50 for the c=1 handoff; about 200 s)
 #   bench-2k-c8      the same at c=8 only, 16 prompts
 #   bench-2k-c8-48   the same with 48 prompts (six waves: the router's prefill estimate has time to learn the load)
+#   bench-2k-c4-c8   the same at c=4 and c=8, 32 prompts each (issue 16's queue-aware levels; about 300 s)
 #   bench-8k         the same at 8k-token prompts
 #   bench-connector  pdserve bench connector at 8k and 32k tokens
 #   v4               does this vLLM run a tiny DeepSeek-V4 (fp8_ds_mla), and does the connector save it
@@ -46,6 +47,7 @@ for s in "$@"; do
     bench-2k-c1) step bench-2k-c1 "$LIMIT" bench_serve 2048 24 1 ;;
     bench-2k-c8) step bench-2k-c8 "$LIMIT" bench_serve 2048 16 8 ;;
     bench-2k-c8-48) step bench-2k-c8-48 "$LIMIT" bench_serve 2048 48 8 ;;
+    bench-2k-c4-c8) step bench-2k-c4-c8 "$LIMIT" bench_serve 2048 32 4 8 ;;
     bench-8k) step bench-8k "$LIMIT" bench_serve 8192 16 1 8 ;;
     bench-connector)
         step bench-connector "$LIMIT" pdserve bench connector --model /tmp/tiny-deepseek_v3 --lengths 8192 32768 \
