@@ -16,6 +16,8 @@
 #   bench-2k-c4-c8   the same at c=4 and c=8, 32 prompts each (issue 16's queue-aware levels; about 300 s)
 #   bench-8k         the same at 8k-token prompts
 #   bench-connector  pdserve bench connector at 8k and 32k tokens
+#   connector-tpot   pdserve bench connector-tpot: decode TPOT with no connector, a no-op one and pdserve's, paired
+#                    (P/D TPOT was x1.33 of colocated at c=1 on the H200, 2026-12-03; not yet run there)
 #   v4               does this vLLM run a tiny DeepSeek-V4 (fp8_ds_mla), and does the connector save it
 # ENGINE_ARGS are the benchmark engines' extra flags: default none (CUDA graphs, as users run);
 # ENGINE_ARGS=--enforce-eager for the eager figures. At most 8 files come back from $OUT.
@@ -52,6 +54,9 @@ for s in "$@"; do
     bench-connector)
         step bench-connector "$LIMIT" pdserve bench connector --model /tmp/tiny-deepseek_v3 --lengths 8192 32768 \
             --repeats 3 -- --kv-cache-memory-bytes 8589934592 --max-num-batched-tokens 32832 ;;
+    connector-tpot)
+        step connector-tpot "$LIMIT" pdserve bench connector-tpot --model /tmp/tiny-deepseek_v3 --rounds 30 -- \
+            --max-model-len 4096 --kv-cache-memory-bytes 4294967296 ;;
     v4) step v4 300 python3 "$REPO/deploy/gpu_host/v4_check.py" ;;
     *) echo "unknown step $s" >&2; false ;;
     esac || status=1
