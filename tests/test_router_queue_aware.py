@@ -3,7 +3,7 @@ skipped (decode-only, reason `decode_only_prefill_queue`) and the answer is stil
 recomputing engine's, token for token.
 
 The queue is made deterministic by stopping the prefill engine (SIGSTOP of its process
-group) with three P/D requests in it: they cannot drain, and its /metrics hang meanwhile,
+group) with two P/D requests in it, sent one at a time: they cannot drain, and its /metrics hang meanwhile,
 so the router has to decide from its own accounting while its scrapes of that worker fail.
 """
 
@@ -73,29 +73,32 @@ def test_a_prefill_queue_sends_prompts_decode_only_and_tokens_stay_identical(pd_
             wait_until(lambda: metric(router.url, "pdserve_router_queue_scrapes_total",
                                       {"role": role, "outcome": "ok"}) >= 1, what=f"a {role} queue scrape")
 
-        # Three prompts stuck in a stopped prefill engine: about two prompts of backlog past the one in service.
+        # Two prompts stuck in a stopped prefill engine, sent one at a time: the second waits behind at most
+        # the first's length, no more than recomputing it costs, so it goes P/D too. (Sent together, all
+        # plan against an empty queue and the test depends on their order.) Each is ~1056 tokens.
         os.killpg(stack.prefill.pid, signal.SIGSTOP)
         stopped = True
         failed_scrapes = metric(router.url, "pdserve_router_queue_scrapes_total", {"role": "prefill", "outcome": "failed"})
-        stuck_prompts = [long_prompt(200, seed=s) for s in (62, 63, 64)]
-        for prompt in stuck_prompts:
+        stuck_prompts = [long_prompt(200, seed=s) for s in (62, 63)]
+        for held, prompt in enumerate(stuck_prompts, 1):
             stuck.append(threading.Thread(
                 target=lambda p=prompt: stuck_ids.__setitem__(p, complete(router.url, model, p)), daemon=True))
             stuck[-1].start()
-        wait_until(lambda: metric(router.url, "pdserve_router_inflight", {"role": "prefill"}) == 3,
-                   what="three prefill legs held")
+            wait_until(lambda: metric(router.url, "pdserve_router_inflight", {"role": "prefill"}) == held,
+                       what=f"{held} prefill legs held")
         wait_until(lambda: metric(router.url, "pdserve_router_queue_scrapes_total",
                                   {"role": "prefill", "outcome": "failed"}) > failed_scrapes,
                    what="a scrape of the stopped worker to fail")
 
-        probe = long_prompt(200, seed=65)
+        # A shorter prompt (~790 tokens) now waits behind at least one whole stuck prompt: decode-only.
+        probe = long_prompt(150, seed=65)
         try:  # the decode worker alone can answer
             probe_ids = stream_ids(router.url, model, probe, timeout=120)
         except httpx.TimeoutException as exc:  # the router's reasons say which path it took and why
             raise AssertionError(f"the probe timed out; paths {paths(router.url)}; "
                                  f"router log:\n{router.log_tail(8000)}") from exc
         assert paths(router.url)["decode_only_prefill_queue"] == 1
-        assert metric(router.url, "pdserve_router_inflight", {"role": "prefill"}) == 3  # still stuck
+        assert metric(router.url, "pdserve_router_inflight", {"role": "prefill"}) == 2  # still stuck
 
         os.killpg(stack.prefill.pid, signal.SIGCONT)
         stopped = False
