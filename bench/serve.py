@@ -808,8 +808,14 @@ class Target:
     engines: dict[str, str] = field(default_factory=dict)
 
 
-# A stack brought up for --compare: its targets, and the floor runs measured as it came up.
-StackUp = tuple[list[Target], list[Run]]
+@dataclass(frozen=True)
+class StackUp:
+    """A stack brought up for --compare: its targets, the floor runs measured as it came up, and the engines
+    that decode in it (`warm_engines` warms them before each level)."""
+
+    targets: list[Target]
+    floors: list[Run]
+    decoders: list[str]
 
 
 def read_engines(engines: dict[str, str]) -> Readings:
@@ -946,18 +952,18 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
         with ExitStack() as up:
             targets: list[Target] = []
             for start in stacks:
-                stack_targets, floors = up.enter_context(start())
-                targets += stack_targets
-                runs += floors
+                s = up.enter_context(start())
+                targets += s.targets
+                runs += s.floors
             return runs + asyncio.run(run_paired(bench, targets, prompts))
     for start in stacks:
-        with start() as (targets, floors):
-            runs += floors
+        with start() as s:
+            runs += s.floors
             # Every label of the stack runs a level before the next level starts, so slow drift in the machine's
             # load does not land on one side of a difference between two labels (colocated router vs direct).
             for n, conc in enumerate(cfg.max_concurrency):
-                asyncio.run(warm_engines(bench, targets, prompts, conc))
-                runs += [run for t in targets for run in measure_level(bench, t, prompts, conc, first=n == 0)]
+                asyncio.run(warm_engines(bench, s.decoders, prompts, conc))
+                runs += [run for t in s.targets for run in measure_level(bench, t, prompts, conc, first=n == 0)]
     return runs
 
 
@@ -970,18 +976,11 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
 ENGINE_WARMUP_ROUNDS = 3
 
 
-def engines_to_warm(targets: Sequence[Target]) -> list[str]:
-    """The engines that decode for a stack's labels: a P/D stack's decode engine, the colocated engine."""
-    urls = [t.engines["decode"] for t in targets if "decode" in t.engines]
-    urls += [t.url for t in targets if t.label == COLOCATED_LABELS[1]]
-    return list(dict.fromkeys(urls))
-
-
-async def warm_engines(cfg: BenchConfig, targets: Sequence[Target], prompts: PromptSource, conc: int | None) -> None:
-    """ENGINE_WARMUP_ROUNDS * conc requests at `conc` to each of `engines_to_warm` (none without warm-ups)."""
+async def warm_engines(cfg: BenchConfig, engines: Sequence[str], prompts: PromptSource, conc: int | None) -> None:
+    """ENGINE_WARMUP_ROUNDS * conc requests at `conc` straight to each engine (none without warm-ups)."""
     if not cfg.num_warmups:
         return
-    for url in engines_to_warm(targets):
+    for url in engines:
         warm = prompts.take(ENGINE_WARMUP_ROUNDS * (conc or 1))
         await run_load(cfg, url, str(cfg.model), [], warm, conc, f"engine warm-up c={conc or 'inf'}")
 
@@ -1003,7 +1002,7 @@ def pd_stack(cfg: BenchConfig, stack: Callable[..., StackConfig], tokenizer: Any
         targets = [Target(label, url, PD_ROUTER_WARMUPS, engines) for label, url in urls.items()]
         if cfg.paired:
             targets.append(Target(DECODE_DIRECT_LABEL, engines["decode"]))
-        yield targets, floors
+        yield StackUp(targets, floors, [engines["decode"]])
 
 
 @contextmanager
@@ -1017,7 +1016,8 @@ def colocated_stack(cfg: BenchConfig, stack: Callable[..., StackConfig],
     with LocalStack(coloc, label="colocated stack").start(show_progress=not cfg.disable_tqdm):
         direct = coloc.worker_urls("decode")[0]
         floors = engine_floor(cfg, direct, FLOOR_LABELS["colocated"], floor_prompts)
-        yield [Target(label, url) for label, url in zip(COLOCATED_LABELS, (coloc.router_url, direct))], floors
+        yield StackUp([Target(label, url) for label, url in zip(COLOCATED_LABELS, (coloc.router_url, direct))],
+                      floors, [direct])
 
 
 def engine_floor(cfg: BenchConfig, engine_url: str, label: str, prompts: PromptSource) -> list[Run]:
@@ -1058,7 +1058,7 @@ def lmcache_stack(cfg: BenchConfig, stack: Callable[..., StackConfig]) -> Iterat
         lm = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0, kv_backend="lmcache",
                    redis_url=f"redis://127.0.0.1:{redis.port}/0" if redis else None)
         with LocalStack(lm, label="P/D stack on LMCache").start(show_progress=not cfg.disable_tqdm):
-            yield [Target(PD_LABELS["lmcache"], lm.router_url)], []
+            yield StackUp([Target(PD_LABELS["lmcache"], lm.router_url)], [], lm.worker_urls("decode")[:1])
     finally:
         if redis is not None:
             redis.stop()

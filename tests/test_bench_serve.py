@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 import httpx
 import matplotlib.image
@@ -24,7 +24,7 @@ from pdserve.bench import processes
 from pdserve.bench import serve as bench_serve
 from pdserve.bench.engine_counters import load_phase_means
 from pdserve.bench.serve import (CACHED_FLOOR_LABEL, COLOCATED_LABELS, DECODE_DIRECT_LABEL, ENGINE_WARMUP_ROUNDS,
-                                 FLOOR_LABELS, engines_to_warm, warm_engines,
+                                 FLOOR_LABELS, StackUp, warm_engines,
                                  OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, Target, add_readings, comparison, config_from_args,
                                  floor_and_phase_lines, load_tokenizer, main, paired_differences, paired_schedule,
                                  path_counts, print_summary, ttft_by_path, TTFT_BY_PATH, router_means, router_sums, run_load, run_paired,
@@ -231,6 +231,14 @@ def test_the_router_times_each_phase_of_a_pd_request(router_on_stub: str) -> Non
     assert sums["phase_prefill_leg"][0] > 0 and sums["phase_decode_first_token"][0] > 0
 
 
+@asynccontextmanager
+async def _listening(serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]) -> AsyncIterator[str]:
+    """A local HTTP stub whose connections `serve` handles, for as long as the block runs; yields its base URL."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
 async def _count_in_flight(concurrency: int) -> tuple[list[int], int]:
     """run_load at `concurrency` (as many warm-ups as measured prompts) against a server that holds
     each request until `concurrency` are in (bounded); returns the in-flight counts it saw."""
@@ -256,12 +264,10 @@ async def _count_in_flight(concurrency: int) -> tuple[list[int], int]:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    cfg = config_from_args(["--base-url", f"http://127.0.0.1:{port}", "--max-concurrency", str(concurrency)])
-    async with server:
+    async with _listening(serve) as url:
+        cfg = config_from_args(["--base-url", url, "--max-concurrency", str(concurrency)])
         warm = [f"warm {i}" for i in range(warmups(cfg, concurrency))]
-        await run_load(cfg, f"http://127.0.0.1:{port}", "m", [], warm, concurrency, "t")
+        await run_load(cfg, url, "m", [], warm, concurrency, "t")
     return seen, len(warm)
 
 
@@ -449,10 +455,8 @@ async def _against_stub(action: Callable[[str], Awaitable[T]]) -> tuple[T, list[
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
-        out = await action(f"http://127.0.0.1:{port}")
+    async with _listening(serve) as url:
+        out = await action(url)
     return out, log, most
 
 
@@ -463,16 +467,12 @@ async def _paired_against_stub(cfg: Any, targets: list[tuple[str, int]]) -> tupl
 
 
 def test_each_engine_that_decodes_is_warmed_in_a_closed_loop_at_the_levels_concurrency() -> None:
-    """A P/D stack's decode engine and the colocated engine get ENGINE_WARMUP_ROUNDS * c requests, at most c at
-    once; routers and the prefill engine get none (their labels' own warm-ups reach them)."""
+    """Each engine a stack names as decoding (a P/D stack's decode engine, the colocated engine) gets
+    ENGINE_WARMUP_ROUNDS * c requests, at most c at once."""
     cfg = config_from_args(["--compare", "--max-concurrency", "2", "--model", "m", "--disable-tqdm"])
 
     async def warm(stub: str) -> None:
-        targets = [Target("pd", f"{stub}/router", 6, {"decode": f"{stub}/decode", "prefill": f"{stub}/prefill"}),
-                   Target("pd-sequential", f"{stub}/router2", 6, {"decode": f"{stub}/decode", "prefill": f"{stub}/prefill"}),
-                   Target("colocated-router", f"{stub}/corouter"), Target("colocated-direct", f"{stub}/engine")]
-        assert engines_to_warm(targets) == [f"{stub}/decode", f"{stub}/engine"]
-        await warm_engines(cfg, targets, _Prompts(), 2)  # type: ignore[arg-type]
+        await warm_engines(cfg, [f"{stub}/decode", f"{stub}/engine"], _Prompts(), 2)  # type: ignore[arg-type]
 
     _, log, most = asyncio.run(_against_stub(warm))
     rounds = ENGINE_WARMUP_ROUNDS * 2
@@ -480,7 +480,7 @@ def test_each_engine_that_decodes_is_warmed_in_a_closed_loop_at_the_levels_concu
     assert most == 2 and len({prompt for _, prompt in log}) == len(log)
     no_warmups = config_from_args(["--compare", "--num-warmups", "0", "--model", "m", "--disable-tqdm"])
     _, log, _ = asyncio.run(_against_stub(lambda stub: warm_engines(
-        no_warmups, [Target("colocated-direct", f"{stub}/engine")], _Prompts(), 2)))  # type: ignore[arg-type]
+        no_warmups, [f"{stub}/engine"], _Prompts(), 2)))  # type: ignore[arg-type]
     assert log == []
 
 
@@ -511,9 +511,10 @@ def test_paired_compare_brings_every_stack_up_at_once(monkeypatch: pytest.Monkey
     events: list[str] = []
 
     @contextmanager
-    def fake_stack(name: str, labels: tuple[str, ...]) -> Iterator[tuple[list[Target], list[Run]]]:
+    def fake_stack(name: str, labels: tuple[str, ...]) -> Iterator[StackUp]:
         events.append(f"up {name}")
-        yield [Target(label, f"http://{label}") for label in labels], [Run(f"{name} floor", "http://f", 1, {})]
+        yield StackUp([Target(label, f"http://{label}") for label in labels], [Run(f"{name} floor", "http://f", 1, {})],
+                      [f"http://{name}-engine"])
         events.append(f"down {name}")
 
     async def fake_paired(cfg: Any, targets: list[Target], prompts: Any) -> list[Run]:
@@ -524,7 +525,7 @@ def test_paired_compare_brings_every_stack_up_at_once(monkeypatch: pytest.Monkey
         events.append(f"{target.label} c={conc}{' first' if first else ''}")
         return [Run(target.label, target.url, conc, {})]
 
-    async def fake_warm(cfg: Any, targets: list[Target], prompts: Any, conc: int | None) -> None:
+    async def fake_warm(cfg: Any, engines: list[str], prompts: Any, conc: int | None) -> None:
         events.append(f"warm c={conc}")
 
     monkeypatch.setattr(bench_serve, "load_tokenizer", lambda name: None)
