@@ -5,7 +5,8 @@ moves nothing, noop_connector.py: what vLLM costs an engine that has any connect
 `pdserve` (PDServeConnector, kv_both, with a store, as a decode worker runs it). Each round
 sends one streamed, decode-heavy request (a fresh short prompt, --output-len tokens, EOS
 ignored) to every engine in turn, one at a time, the order rotated every round, and takes each
-request's TPOT. Rounds are paired because the machine's speed drifts more between runs than
+request's TPOT and TTFT (a short prompt's TTFT is the engine's floor, which a P/D decode leg pays on
+top of its KV load). Rounds are paired because the machine's speed drifts more between runs than
 the cost measured here: each ratio is the median over rounds of two engines' TPOT in the same
 round. pdserve/none is the connector's cost to decode (what a P/D decode engine pays per step),
 noop/none the part any connector costs in vLLM, pdserve/noop the part that is pdserve's own.
@@ -41,12 +42,13 @@ ENGINES = ("none", "noop", "pdserve")
 RATIOS = (("pdserve", "none"), ("noop", "none"), ("pdserve", "noop"))
 
 
-def tpot_ms(port: int, prompt: list[int], output_len: int) -> float:
-    """Mean ms per generated token after the first (as vLLM's benchmarks count TPOT): EOS is ignored, so
-    the stream holds exactly `output_len` tokens."""
+def timed_stream(port: int, prompt: list[int], output_len: int) -> tuple[float, float]:
+    """(TTFT, TPOT) in ms. TPOT is the mean per generated token after the first (as vLLM's benchmarks count
+    it): EOS is ignored, so the stream holds exactly `output_len` tokens."""
     body = {"model": served_model(port), "prompt": prompt, "max_tokens": output_len, "ignore_eos": True,
             "temperature": 0, "stream": True}
     arrivals = []
+    sent = time.perf_counter()
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -55,7 +57,7 @@ def tpot_ms(port: int, prompt: list[int], output_len: int) -> float:
     if len(arrivals) < 2:
         raise RuntimeError(f"engine on port {port} streamed {output_len} tokens in {len(arrivals)} chunk(s)")
     # Per token, not per chunk: an API server that falls behind its engine sends several tokens in one chunk.
-    return 1000.0 * (arrivals[-1] - arrivals[0]) / (output_len - 1)
+    return 1000.0 * (arrivals[0] - sent), 1000.0 * (arrivals[-1] - arrivals[0]) / (output_len - 1)
 
 
 def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
@@ -96,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     rng = random.Random(0)
     tpots: dict[str, list[float]] = {name: [] for name in ENGINES}
+    ttfts: dict[str, list[float]] = {name: [] for name in ENGINES}
     with ExitStack() as up:
         up.enter_context(engine_process(store_argv, f"http://127.0.0.1:{store_http}/health", work / "kvstore.log"))
         ports = {}
@@ -106,19 +109,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             return [rng.randrange(3, 1000) for _ in range(args.input_len)]
 
         for name in ENGINES:  # warm-up: each engine's first steps are slower
-            tpot_ms(ports[name], fresh(), args.output_len)
+            timed_stream(ports[name], fresh(), args.output_len)
         for order in paired_schedule(ENGINES, args.rounds):
             for name in order:
-                tpots[name].append(tpot_ms(ports[name], fresh(), args.output_len))
+                ttft, tpot = timed_stream(ports[name], fresh(), args.output_len)
+                ttfts[name].append(ttft)
+                tpots[name].append(tpot)
     p50 = {n: statistics.median(v) for n, v in tpots.items()}
+    ttft_p50 = {n: statistics.median(v) for n, v in ttfts.items()}
     ratios = {f"{a}/{b}": paired_ratio(tpots[a], tpots[b]) for a, b in RATIOS}
     print(f"TPOT p50 over {args.rounds} rounds ({args.input_len}-token prompts, {args.output_len} tokens each): "
           + ", ".join(f"{n} {v:.2f} ms" for n, v in p50.items()))
     print("paired ratios (median over rounds): " + ", ".join(f"{k} x{v:.3f}" for k, v in ratios.items()))
+    print(f"TTFT p50 (the engine's floor at {args.input_len} tokens): "
+          + ", ".join(f"{n} {v:.2f} ms" for n, v in ttft_p50.items()))
     print("  pdserve/none: the connector's cost to decode; noop/none: vLLM's cost of having any connector; "
           "pdserve/noop: pdserve's own part")
     if args.json:
-        args.json.write_text(json.dumps({"tpot_p50_ms": p50, "paired_ratio": ratios, "tpot_ms_by_round": tpots},
+        args.json.write_text(json.dumps({"tpot_p50_ms": p50, "paired_ratio": ratios, "tpot_ms_by_round": tpots,
+                                            "ttft_p50_ms": ttft_p50, "ttft_ms_by_round": ttfts},
                                         indent=2))
     return 0
 

@@ -19,6 +19,7 @@ Flags after `--` go to both engines (e.g. `-- --kv-cache-dtype fp8_ds_mla` with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -65,10 +66,19 @@ def engine_process(argv: list[str], health: str, log: Path, timeout_s: float = 6
             time.sleep(1)
         yield
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
+        _stop_group(proc)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it after 30 s. A group already gone (its leader died while starting)
+    is left alone, so the error that said why is the one raised."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
 

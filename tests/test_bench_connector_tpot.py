@@ -34,6 +34,8 @@ def test_three_engines_are_timed_round_by_round(tmp_path: Path, capsys: pytest.C
     figures = json.loads(out.read_text())
     assert set(figures["tpot_ms_by_round"]) == set(ENGINES)
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in figures["tpot_ms_by_round"].values())
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in figures["ttft_ms_by_round"].values())
+    assert set(figures["ttft_p50_ms"]) == set(ENGINES)
     assert set(figures["paired_ratio"]) == {f"{a}/{b}" for a, b in RATIOS}
     assert all(math.isfinite(r) and r > 0 for r in figures["paired_ratio"].values())
     assert "pdserve/noop" in capsys.readouterr().out

@@ -56,7 +56,7 @@ for s in "$@"; do
             --repeats 3 -- --kv-cache-memory-bytes 8589934592 --max-num-batched-tokens 32832 ;;
     connector-tpot)
         step connector-tpot "$LIMIT" pdserve bench connector-tpot --model /tmp/tiny-deepseek_v3 --rounds 30 -- \
-            --max-model-len 4096 --kv-cache-memory-bytes 4294967296 ;;
+            --max-model-len 4096 --kv-cache-memory-bytes 4294967296 --gpu-memory-utilization 0.2 --no-enforce-eager ;;
     v4) step v4 300 python3 "$REPO/deploy/gpu_host/v4_check.py" ;;
     *) echo "unknown step $s" >&2; false ;;
     esac || status=1
