@@ -233,6 +233,19 @@ class Pool:
         if model is not None and known and model not in known:
             raise RouterError(404, f"The model `{model}` does not exist.", param="model")
 
+    def max_model_len(self, model: str | None) -> int | None:
+        """The smallest `max_model_len` the available workers serving `model` report on /v1/models (vLLM's
+        cards carry it), or None while any of them has not said: a request that fits it is one no engine
+        of the pool refuses for its length."""
+        lens = []
+        for w in self.candidates(model):
+            card = next((c for c in w.model_cards or () if model is None or str(c.get("id")) == model), None)
+            value = card.get("max_model_len") if card is not None else None
+            if type(value) is not int:
+                return None
+            lens.append(value)
+        return min(lens, default=None)
+
     def model_cards(self) -> list[dict[str, Any]]:
         """/v1/models entries of the available workers, one per model id."""
         cards: dict[str, dict[str, Any]] = {}

@@ -75,6 +75,14 @@ def test_decode_body_is_the_prompt_plus_the_token_one_fewer_to_go() -> None:
     assert unbounded["max_tokens"] is None  # the engine's own limit: one fewer left after a longer prompt
 
 
+def test_a_leg_fits_when_prompt_and_max_tokens_fit_the_known_context() -> None:
+    call = _call(BASE)  # 3 prompt tokens (the prefill's ids), max_tokens 8
+    assert first_token.fits(call, _prefill(), 11) and not first_token.fits(call, _prefill(), 10)
+    assert not first_token.fits(call, _prefill(), None)  # a worker has not said
+    unbounded = _call({**BASE, "max_tokens": None})  # vLLM fills the context: room for one more token needed
+    assert first_token.fits(unbounded, _prefill(), 5) and not first_token.fits(unbounded, _prefill(), 4)
+
+
 def test_the_first_event_looks_like_vllms_chunks() -> None:
     chunk = first_token.first_chunk(_call(BASE), " hi")
     assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")

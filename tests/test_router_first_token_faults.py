@@ -1,7 +1,10 @@
 """`--pd-first-token` when things go wrong around the handed token (fast tier): a real `pdserve router`
-over stub workers. The decode leg answers its headers before the client gets the token, so a decode
-engine that refuses the request gives the client its error response, as in the default flow; a client
-that hangs up before or after the token has its decode leg aborted, and the router serves on."""
+over stub workers. While the decode workers' context length is unknown, the decode leg answers its
+headers before the client gets the token, so a decode engine that refuses the request gives the client
+its error response, as in the default flow. Once their /v1/models say it (vLLM's cards carry
+`max_model_len`), a request that fits gets its token before the decode leg's headers, and a refusal
+then ends the stream with an error event. A client that hangs up before or after the token has its
+decode leg aborted, and the router serves on."""
 
 from __future__ import annotations
 
@@ -53,12 +56,17 @@ class Workers:
         self.decode_aborted.clear()
 
 
-async def _aborts_counted(url: str, n: int) -> None:
+async def _aborts_counted(url: str, n: int, status: str = "499") -> None:
     for _ in range(100):
-        if metric(url, "pdserve_router_requests_total", {"status": "499"}) == n:
+        if metric(url, "pdserve_router_requests_total", {"status": status}) == n:
             return
         await asyncio.sleep(0.1)
-    assert metric(url, "pdserve_router_requests_total", {"status": "499"}) == n
+    assert metric(url, "pdserve_router_requests_total", {"status": status}) == n
+
+
+async def serves_stub_of_length(_r: web.Request) -> web.Response:
+    """/v1/models of a stub serving "stub" with a 64-token context, as vLLM's cards say it."""
+    return web.json_response({"data": [{"id": "stub", "object": "model", "max_model_len": 64}]})
 
 
 async def test_hang_ups_and_refusals_around_the_handed_token() -> None:
@@ -91,6 +99,45 @@ async def test_hang_ups_and_refusals_around_the_handed_token() -> None:
                 w.reset("error")
                 r = await client.post(router.url + "/v1/completions", json=BODY)
                 assert r.status_code == 400 and r.json()["error"]["message"] == "too long"
+                assert (await client.get(router.url + "/health")).status_code == 200
+            log = router.log_path.read_text(errors="replace")
+            assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+        finally:
+            router.stop()
+
+
+async def test_a_request_that_fits_the_context_gets_its_token_before_the_decode_legs_headers() -> None:
+    w = Workers()
+    async with listening(worker_app(healthy, serves_stub_of_length, w.prefill),
+                         worker_app(healthy, serves_stub_of_length, w.decode)) as (p, d):
+        router = await asyncio.to_thread(start_router, "--prefill", p, "--decode", d, "--pd-min-prompt-tokens", "0",
+                                         "--pd-first-token", "--no-pd-queue-aware")
+        try:
+            async with httpx.AsyncClient(timeout=30) as client:
+                # the decode engine has not even answered its headers, and the token is out
+                w.reset("hang")
+                async with client.stream("POST", router.url + "/v1/completions", json=BODY) as r:
+                    assert r.status_code == 200
+                    first = await asyncio.wait_for(anext(r.aiter_lines()), 10)
+                    assert json.loads(first[len("data: "):])["choices"][0]["text"] == " hi"
+                    await asyncio.wait_for(w.decode_started.wait(), 10)
+                # gone while the decode leg was opening: it is aborted and counted as the client's
+                await asyncio.wait_for(w.decode_aborted.wait(), 10)
+                await _aborts_counted(router.url, 1)
+
+                # a refusal after the token ends the stream with the engine's error as an event
+                w.reset("error")
+                r = await client.post(router.url + "/v1/completions", json=BODY)
+                events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+                assert r.status_code == 200 and json.loads(events[0])["choices"][0]["text"] == " hi"
+                assert json.loads(events[-1])["error"]["message"] == "too long", r.text
+                await _aborts_counted(router.url, 1, status="400")
+
+                # too long for the context (4 + 61 > 64): headers first, the refusal is the response
+                w.reset("error")
+                r = await client.post(router.url + "/v1/completions", json={**BODY, "max_tokens": 61})
+                assert r.status_code == 400 and r.json()["error"]["message"] == "too long"
+                await _aborts_counted(router.url, 2, status="400")
                 assert (await client.get(router.url + "/health")).status_code == 200
             log = router.log_path.read_text(errors="replace")
             assert "Traceback" not in log and " ERROR " not in log, log[-3000:]

@@ -194,6 +194,21 @@ def test_unknown_model_is_404_once_models_are_known() -> None:
     assert exc.value.status == 404 and exc.value.param == "model"
 
 
+def test_max_model_len_is_the_smallest_a_models_workers_report_once_all_have() -> None:
+    pool = _pool(n=2)
+    w0, w1 = pool.workers.values()
+    assert pool.max_model_len("m1") is None  # no cards yet
+    w0.model_cards = [{"id": "m1", "max_model_len": 4096}, {"id": "m2", "max_model_len": 100}]
+    assert pool.max_model_len("m1") is None  # w1 has not said
+    w1.model_cards = [{"id": "m1", "max_model_len": 2048}]
+    assert pool.max_model_len("m1") == 2048
+    assert pool.max_model_len("m2") == 100  # only w0 serves it
+    w1.model_cards = [{"id": "m1", "max_model_len": "2048"}]  # not an int: unknown
+    assert pool.max_model_len("m1") is None
+    pool.set_health(w1, False)
+    assert pool.max_model_len("m1") == 4096
+
+
 # ---------------------------------------------------------------- stream parsing and prefill body
 
 

@@ -84,6 +84,16 @@ def handed_token(data: dict[str, Any] | None) -> tuple[int, str] | None:
     return ids[0], text
 
 
+def fits(call: Call, prefill: dict[str, Any], max_model_len: int | None) -> bool:
+    """Whether the decode leg (the prompt plus the handed token, `max_tokens` one fewer) is sure to fit every
+    decode engine's context, so no engine refuses it for its length: then the handed token may go out before
+    the decode leg's headers. With `max_tokens` unset, vLLM fills the context and the leg needs room for one
+    more token. Unknown lengths (a worker whose /v1/models has not said) never fit."""
+    ids = prompt_ids(prefill) or call.prompt_ids
+    max_tokens = call.body.get("max_tokens")
+    return max_model_len is not None and ids is not None and len(ids) + (max_tokens or 2) <= max_model_len
+
+
 def decode_body(call: Call, prefill: dict[str, Any], token: int) -> bytes:
     """The decode leg's body: the client's, its prompt as the prefill's token ids plus the handed token,
     one token fewer to generate, and the prefill's kv_transfer_params."""

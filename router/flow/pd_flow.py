@@ -171,14 +171,19 @@ class PDFlow:
             return await self._respond(call, await self.decode_legs.open(call, payload, ctx, set(), t_prefill_done))
         token, text = handed
         self._count_path(call, "pd_first_token")
-        # The decode leg's headers before the token: a request its engine refuses (its context too long
+        lead = first_token.first_chunk(call, text)
+        opening = self._open_after_handed(call, data, token, ctx)
+        if first_token.fits(call, data, self.decode.max_model_len(call.model)):
+            # No decode engine refuses it for its length: the token goes out now, the decode leg's ingest after
+            # it (a leg that fails to open ends the stream with an error event, as a failure mid-stream does).
+            return EventStream(self.relay.stream_handed(call, lead, opening), headers={"X-Request-Id": call.request_id})
+        # Else the decode leg's headers before the token: a request its engine refuses (its context too long
         # for max_tokens, say) gets that engine's error as the response, as in the default flow, not a
         # token and then an error event. It costs the first token the decode engine's ingest.
-        leg = await self._open_after_handed(call, data, token, ctx)
+        leg = await opening
         if leg.resp.status != 200:
             return await self.decode_legs.unary(call, leg)
-        return EventStream(self.relay.stream_handed(call, first_token.first_chunk(call, text), leg),
-                           headers={"X-Request-Id": call.request_id})
+        return EventStream(self.relay.stream_handed(call, lead, leg), headers={"X-Request-Id": call.request_id})
 
     async def _open_after_handed(self, call: Call, data: dict[str, Any], token: int, ctx: RouteContext) -> DecodeLeg:
         t_prefill_done = await self._prefill_landed(call, data)

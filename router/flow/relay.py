@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, AsyncGenerator, Callable, Mapping
+from typing import Any, AsyncGenerator, Callable, Coroutine, Mapping
 
 import msgspec
 from starlette.responses import StreamingResponse
@@ -164,21 +164,32 @@ class Relay:
             self.metrics.series(self.metrics.requests, call.route, outcome).inc()
             self.end(call)
 
-    async def stream_handed(self, call: Call, lead: bytes, leg: DecodeLeg) -> AsyncGenerator[bytes, None]:
+    async def stream_handed(self, call: Call, lead: bytes,
+                            leg: DecodeLeg | Coroutine[Any, Any, DecodeLeg]) -> AsyncGenerator[bytes, None]:
         """A stream whose first token the prefill made (first_token.py): `lead` at once, then the decode leg's
-        events, relayed as `stream` does (retried elsewhere until its own first token), with usage fixed."""
+        events, relayed as `stream` does (retried elsewhere until its own first token), with usage fixed.
+        `leg` may still be opening (a coroutine, first awaited after the lead has gone out): a leg that cannot
+        open ends the stream with its error as an event."""
         now = time.perf_counter()
         call.token_shown = True
         try:
             yield lead
         except BaseException:  # the client left with the token: the decode leg is dropped (vLLM aborts it)
-            leg.slot.abandon()
-            leg.resp.close()
-            self.metrics.series(self.metrics.requests, call.route, "499").inc()
-            self.end(call)
+            if isinstance(leg, DecodeLeg):
+                leg.slot.abandon()
+                leg.resp.close()
+            else:
+                leg.close()  # never sent
+            self._count_ended(call, "499")
             raise
         finally:
             self._observe_handed_token(call, now, time.perf_counter() - now)
+        if not isinstance(leg, DecodeLeg):
+            opened = await self._open_led(call, leg)
+            if isinstance(opened, bytes):
+                yield opened
+                return
+            leg = opened
         if not first_token.asks_usage(call.body):  # nothing to fix: the decode leg's bytes pass as they come
             async for chunk in self.stream(call, leg):
                 yield chunk
@@ -189,6 +200,38 @@ class Relay:
                 yield fixed
         if rest := usage.rest():
             yield rest
+
+    async def _open_led(self, call: Call, opening: Coroutine[Any, Any, DecodeLeg]) -> DecodeLeg | bytes:
+        """The decode leg of a stream whose first token is out, or the error event that ends the stream when
+        no decode worker took it (counted as that error; the client leaving meanwhile counts as 499)."""
+        outcome = "499"
+        try:
+            leg = await opening
+            if leg.resp.status == 200:
+                outcome = ""
+                return leg
+            try:
+                event = UpstreamResponse(leg.resp.status, await leg.resp.read()).sse_event()
+                outcome = str(leg.resp.status)
+                leg.slot.answered()
+            except UPSTREAM_ERRORS as exc:
+                leg.slot.failed(exc)
+                outcome = "502"
+                event = RouterError(502, f"decode worker failed: {describe(exc)}").sse_event()
+            finally:
+                leg.slot.abandon()  # only when cancelled: the lines above gave the verdict otherwise
+                leg.resp.close()
+            return event
+        except RouterError as err:
+            outcome = str(err.status)
+            return err.sse_event()
+        finally:
+            if outcome:
+                self._count_ended(call, outcome)
+
+    def _count_ended(self, call: Call, outcome: str) -> None:
+        self.metrics.series(self.metrics.requests, call.route, outcome).inc()
+        self.end(call)
 
     def _observe_handed_token(self, call: Call, now: float, relay_s: float) -> None:
         """TTFT and the phases of a stream whose first token the prefill made: the router before its first call,
