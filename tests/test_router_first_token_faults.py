@@ -40,6 +40,10 @@ class Workers:
         self.decode_started.set()
         if self.decode_mode == "error":
             return web.json_response({"error": {"message": "too long", "type": "BadRequestError"}}, status=400)
+        if self.decode_mode == "drop":  # the engine dies with the request: the connection closes, no answer
+            assert r.transport is not None
+            r.transport.close()
+            return web.Response()
         try:
             if self.decode_mode == "slow":  # headers, then no token until the router hangs up
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -132,6 +136,14 @@ async def test_a_request_that_fits_the_context_gets_its_token_before_the_decode_
                 assert r.status_code == 200 and json.loads(events[0])["choices"][0]["text"] == " hi"
                 assert json.loads(events[-1])["error"]["message"] == "too long", r.text
                 await _aborts_counted(router.url, 1, status="400")
+
+                # the decode engine dies before its headers: the stream ends with the router's 502 event
+                w.reset("drop")
+                r = await client.post(router.url + "/v1/completions", json=BODY)
+                events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+                assert r.status_code == 200 and json.loads(events[0])["choices"][0]["text"] == " hi"
+                assert json.loads(events[-1])["error"]["code"] == 502, r.text
+                await _aborts_counted(router.url, 1, status="502")
 
                 # too long for the context (4 + 61 > 64): headers first, the refusal is the response
                 w.reset("error")
