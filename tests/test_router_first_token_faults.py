@@ -9,13 +9,16 @@ decode leg aborted, and the router serves on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from typing import AsyncIterator
 
 import httpx
 from aiohttp import web
 
+from procs import Proc
 from router_fixtures import metric, start_router
-from worker_stubs import healthy, listening, serves_stub, worker_app
+from worker_stubs import Handler, healthy, listening, serves_stub, worker_app
 
 BODY = {"model": "stub", "prompt": [5, 6, 7, 8], "max_tokens": 4, "stream": True, "temperature": 0.0}
 
@@ -73,85 +76,79 @@ async def serves_stub_of_length(_r: web.Request) -> web.Response:
     return web.json_response({"data": [{"id": "stub", "object": "model", "max_model_len": 64}]})
 
 
-async def test_hang_ups_and_refusals_around_the_handed_token() -> None:
-    w = Workers()
-    async with listening(worker_app(healthy, serves_stub, w.prefill), worker_app(healthy, serves_stub, w.decode)) as (p, d):
+@contextlib.asynccontextmanager
+async def first_token_router(w: Workers, models: Handler) -> AsyncIterator[Proc]:
+    """A `--pd-first-token` router over the stubs (their /v1/models from `models`); its log clean at the end."""
+    async with listening(worker_app(healthy, models, w.prefill), worker_app(healthy, models, w.decode)) as (p, d):
         router = await asyncio.to_thread(start_router, "--prefill", p, "--decode", d, "--pd-min-prompt-tokens", "0",
                                          "--pd-first-token", "--no-pd-queue-aware")
         try:
-            async with httpx.AsyncClient(timeout=30) as client:
-                # gone after the token: the decode leg (headers sent, no token yet) is aborted
-                w.reset("slow")
-                async with client.stream("POST", router.url + "/v1/completions", json=BODY) as r:
-                    assert r.status_code == 200
-                    first = await anext(r.aiter_lines())
-                    assert json.loads(first[len("data: "):])["choices"][0]["text"] == " hi"
-                await asyncio.wait_for(w.decode_aborted.wait(), 10)
-                await _aborts_counted(router.url, 1)
-
-                # gone before the token (the decode engine never answers its headers): aborted the same
-                w.reset("hang")
-                try:
-                    await client.post(router.url + "/v1/completions", json=BODY, timeout=1.0)
-                    raise AssertionError("the router answered without its decode leg's headers")
-                except httpx.ReadTimeout:
-                    pass
-                await asyncio.wait_for(w.decode_aborted.wait(), 10)
-                await _aborts_counted(router.url, 2)
-
-                # the decode engine refuses the request: its error is the response, no token before it
-                w.reset("error")
-                r = await client.post(router.url + "/v1/completions", json=BODY)
-                assert r.status_code == 400 and r.json()["error"]["message"] == "too long"
-                assert (await client.get(router.url + "/health")).status_code == 200
+            yield router
             log = router.log_path.read_text(errors="replace")
             assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
         finally:
             router.stop()
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_hang_ups_and_refusals_around_the_handed_token() -> None:
+    w = Workers()
+    async with first_token_router(w, serves_stub) as router, httpx.AsyncClient(timeout=30) as client:
+        # gone after the token: the decode leg (headers sent, no token yet) is aborted
+        w.reset("slow")
+        async with client.stream("POST", router.url + "/v1/completions", json=BODY) as r:
+            assert r.status_code == 200
+            assert _events(await anext(r.aiter_lines()))[0]["choices"][0]["text"] == " hi"
+        await asyncio.wait_for(w.decode_aborted.wait(), 10)
+        await _aborts_counted(router.url, 1)
+
+        # gone before the token (the decode engine never answers its headers): aborted the same
+        w.reset("hang")
+        try:
+            await client.post(router.url + "/v1/completions", json=BODY, timeout=1.0)
+            raise AssertionError("the router answered without its decode leg's headers")
+        except httpx.ReadTimeout:
+            pass
+        await asyncio.wait_for(w.decode_aborted.wait(), 10)
+        await _aborts_counted(router.url, 2)
+
+        # the decode engine refuses the request: its error is the response, no token before it
+        w.reset("error")
+        r = await client.post(router.url + "/v1/completions", json=BODY)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "too long"
+        assert (await client.get(router.url + "/health")).status_code == 200
 
 
 async def test_a_request_that_fits_the_context_gets_its_token_before_the_decode_legs_headers() -> None:
     w = Workers()
-    async with listening(worker_app(healthy, serves_stub_of_length, w.prefill),
-                         worker_app(healthy, serves_stub_of_length, w.decode)) as (p, d):
-        router = await asyncio.to_thread(start_router, "--prefill", p, "--decode", d, "--pd-min-prompt-tokens", "0",
-                                         "--pd-first-token", "--no-pd-queue-aware")
-        try:
-            async with httpx.AsyncClient(timeout=30) as client:
-                # the decode engine has not even answered its headers, and the token is out
-                w.reset("hang")
-                async with client.stream("POST", router.url + "/v1/completions", json=BODY) as r:
-                    assert r.status_code == 200
-                    first = await asyncio.wait_for(anext(r.aiter_lines()), 10)
-                    assert json.loads(first[len("data: "):])["choices"][0]["text"] == " hi"
-                    await asyncio.wait_for(w.decode_started.wait(), 10)
-                # gone while the decode leg was opening: it is aborted and counted as the client's
-                await asyncio.wait_for(w.decode_aborted.wait(), 10)
-                await _aborts_counted(router.url, 1)
+    async with first_token_router(w, serves_stub_of_length) as router, httpx.AsyncClient(timeout=30) as client:
+        # the decode engine has not even answered its headers, and the token is out
+        w.reset("hang")
+        async with client.stream("POST", router.url + "/v1/completions", json=BODY) as r:
+            assert r.status_code == 200
+            first = await asyncio.wait_for(anext(r.aiter_lines()), 10)
+            assert _events(first)[0]["choices"][0]["text"] == " hi"
+            await asyncio.wait_for(w.decode_started.wait(), 10)
+        # gone while the decode leg was opening: it is aborted and counted as the client's
+        await asyncio.wait_for(w.decode_aborted.wait(), 10)
+        await _aborts_counted(router.url, 1)
 
-                # a refusal after the token ends the stream with the engine's error as an event
-                w.reset("error")
-                r = await client.post(router.url + "/v1/completions", json=BODY)
-                events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
-                assert r.status_code == 200 and json.loads(events[0])["choices"][0]["text"] == " hi"
-                assert json.loads(events[-1])["error"]["message"] == "too long", r.text
-                await _aborts_counted(router.url, 1, status="400")
+        # a refusal after the token ends the stream with the engine's error as an event; an engine that
+        # dies before its headers ends it with the router's 502 event
+        for mode, status, last in (("error", "400", {"message": "too long"}), ("drop", "502", {"code": 502})):
+            w.reset(mode)
+            r = await client.post(router.url + "/v1/completions", json=BODY)
+            events = _events(r.text)
+            assert r.status_code == 200 and events[0]["choices"][0]["text"] == " hi"
+            assert last.items() <= events[-1]["error"].items(), r.text
+            await _aborts_counted(router.url, 1, status=status)
 
-                # the decode engine dies before its headers: the stream ends with the router's 502 event
-                w.reset("drop")
-                r = await client.post(router.url + "/v1/completions", json=BODY)
-                events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
-                assert r.status_code == 200 and json.loads(events[0])["choices"][0]["text"] == " hi"
-                assert json.loads(events[-1])["error"]["code"] == 502, r.text
-                await _aborts_counted(router.url, 1, status="502")
-
-                # too long for the context (4 + 61 > 64): headers first, the refusal is the response
-                w.reset("error")
-                r = await client.post(router.url + "/v1/completions", json={**BODY, "max_tokens": 61})
-                assert r.status_code == 400 and r.json()["error"]["message"] == "too long"
-                await _aborts_counted(router.url, 2, status="400")
-                assert (await client.get(router.url + "/health")).status_code == 200
-            log = router.log_path.read_text(errors="replace")
-            assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
-        finally:
-            router.stop()
+        # too long for the context (4 + 61 > 64): headers first, the refusal is the response
+        w.reset("error")
+        r = await client.post(router.url + "/v1/completions", json={**BODY, "max_tokens": 61})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "too long"
+        await _aborts_counted(router.url, 2, status="400")
+        assert (await client.get(router.url + "/health")).status_code == 200
