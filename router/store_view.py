@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -28,6 +30,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.router.store_view")
 
 STORE_CALL_TIMEOUT_S = 0.5
+# How long a store's id, once checked at its URL, is trusted without asking again. Asking is a round trip
+# in front of every P/D request's first call; a store replaced at that URL meanwhile (a restart) is noticed
+# within this long, and until then only gives a prefix hint of 0 (a fresh store holds nothing).
+STORE_ID_TRUST_S = 1.0
 
 
 class StoreLayout(msgspec.Struct, frozen=True):
@@ -38,10 +44,12 @@ class StoreLayout(msgspec.Struct, frozen=True):
 
 
 class StoreView:
-    def __init__(self, auth_token: str | None = None) -> None:
+    def __init__(self, auth_token: str | None = None, id_trust_s: float = STORE_ID_TRUST_S) -> None:
         self.auth_token = auth_token
+        self.id_trust_s = id_trust_s
         self.layouts: dict[str, StoreLayout] = {}
         self._clients: dict[str, AsyncKVStoreClient] = {}
+        self._id_checked: dict[str, float] = {}  # URL -> when its store last answered with the layout's id
 
     def _client(self, url: str) -> AsyncKVStoreClient:
         client = self._clients.get(url)
@@ -67,6 +75,7 @@ class StoreView:
         )
         if self.layouts.get(url) != layout:
             self.layouts[url] = layout
+            self._id_checked.pop(url, None)
             log.info("learned KV store %s (%s): namespace %s, chunk %d tokens", url, layout.store_id, ns, chunk)
         return url
 
@@ -76,14 +85,27 @@ class StoreView:
             return 0
         client = self._client(url)
         try:
-            if layout.store_id is not None and (found_id := (await client.info()).store_id) != layout.store_id:
-                log.debug("store at %s is %s, not %s: no prefix hint from it", url, found_id, layout.store_id)
+            if layout.store_id is not None and not await self._is_announced(url, client, layout.store_id):
                 return 0
             found = await client.lookup(layout.namespace, keys, list(layout.groups))
         except Exception as exc:  # any store failure only costs the routing hint
+            self._id_checked.pop(url, None)
             log.debug("store lookup at %s failed: %s", url, exc)
             return 0
         return int(found) * layout.chunk_size
+
+    async def _is_announced(self, url: str, client: "AsyncKVStoreClient", store_id: str) -> bool:
+        """Whether the store at `url` is the one announced under `store_id` (asked at most every id_trust_s)."""
+        now = time.monotonic()
+        if now - self._id_checked.get(url, -math.inf) < self.id_trust_s:
+            return True
+        found_id = (await client.info()).store_id
+        if found_id != store_id:
+            self._id_checked.pop(url, None)
+            log.debug("store at %s is %s, not %s: no prefix hint from it", url, found_id, store_id)
+            return False
+        self._id_checked[url] = now
+        return True
 
     async def prefix_tokens(self, token_ids: list[int], salt: str | None) -> dict[str, int]:
         """Prompt tokens already stored, per known store URL (0 for a store that did not answer)."""

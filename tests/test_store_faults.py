@@ -10,6 +10,8 @@ used again. The engines run the connector's defaults (timeout_s, handoff_wait_s)
 
 from __future__ import annotations
 
+from typing import Any
+
 import json
 import os
 import signal
@@ -269,6 +271,21 @@ async def test_router_prefix_view_asks_only_the_store_the_params_name() -> None:
             view = StoreView()
             view.learn({"kvstore_url": store.url, "kvstore_id": store_id, "namespace": ns, "chunk_size": 16})
             assert await view.prefix_tokens(tokens, None) == {store.url: want}, store_id
+            await view.close()
+        # The id is asked once per id_trust_s, not before every lookup (a round trip on each request's way).
+        for trust_s, asked in ((3600.0, 1), (0.0, 3)):
+            view = StoreView(id_trust_s=trust_s)
+            view.learn({"kvstore_url": store.url, "kvstore_id": "host-b-store", "namespace": ns, "chunk_size": 16})
+            client = view._client(store.url)
+            calls = []
+            info = client.info
+            async def counted_info() -> Any:
+                calls.append(1)
+                return await info()
+            client.info = counted_info  # type: ignore[method-assign]
+            for _ in range(3):
+                assert await view.prefix_tokens(tokens, None) == {store.url: 32}
+            assert len(calls) == asked, trust_s
             await view.close()
     finally:
         store.proc.stop()
