@@ -344,14 +344,20 @@ def test_fast_encode_counts_as_the_tokenizers_encode(tiny_deepseek_v3) -> None: 
     assert not fast_encode_matches(Skewed()) and not fast_encode_matches(object())
 
 
-async def test_long_prompts_tokenize_at_once_each_on_its_own_copy(tiny_deepseek_v3) -> None:  # type: ignore[no-untyped-def]
+async def test_long_prompts_tokenize_at_once_each_on_its_own_copy(tiny_deepseek_v3, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Concurrent prompts are tokenized in parallel on copies of the tokenizer (one fast tokenizer
     shared by two threads fails with "Already borrowed", which would send them to a worker's
-    /tokenize, here unreachable: None), and every count is the tokenizer's own."""
+    /tokenize, here unreachable: None), and every count is the tokenizer's own. A prompt waits for a
+    free copy as long as it takes here: with fewer copies than prompts (one per core), a busy machine
+    kept some waiting past the router's BORROW_WAIT_S, which sends them to the worker, and that is
+    not what this test is about."""
     from transformers import AutoTokenizer
 
+    from pdserve.router import tokens as tokens_module
     from pdserve.router.tokens import PromptTokens
     from pdserve.router.upstream import new_session
+
+    monkeypatch.setattr(tokens_module, "BORROW_WAIT_S", 600.0)
 
     model = str(tiny_deepseek_v3)
     reference = AutoTokenizer.from_pretrained(model)
@@ -565,13 +571,44 @@ async def test_event_stream_relays_until_the_client_leaves_and_cleans_up_at_once
     async def send(message: dict[str, object]) -> None:
         sent.append(message)
 
-    stream = EventStream(relay(), headers={"X-Request-Id": "r"})
+    stream = EventStream(relay(), {"X-Request-Id": "r"}, lambda: ended.append("unsent"))
     with ClientWatch(client.receive):
         await stream({"type": "http"}, client.receive, send)  # type: ignore[arg-type]
     assert ended == ["499"]  # the relay's finally ran: slots and upstream connection released
     assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
     assert sent[1]["body"] == b"data: 1\n\n"
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]  # type: ignore[operator]
+
+
+async def test_a_stream_the_client_left_before_its_first_chunk_is_cleaned_up_by_its_unsent_callback() -> None:
+    """Closing an async generator that never started runs none of its code, so the relay's own cleanup
+    (the decode leg's slot, the request's count) cannot run: the response calls `unsent` instead."""
+    from pdserve.router.flow.relay import EventStream
+
+    ran: list[str] = []
+    unsent: list[int] = []
+    sent: list[dict] = []
+
+    async def relay() -> AsyncGenerator[bytes, None]:
+        ran.append("started")
+        try:
+            yield b"data: 1\n\n"
+        finally:
+            ran.append("cleaned")
+
+    async def stuck_at_headers(message: dict) -> None:  # a client that reads nothing: the headers' send waits
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await EventStream(relay(), {}, lambda: unsent.append(1))({"type": "http"}, None, stuck_at_headers)  # type: ignore[arg-type]
+    assert unsent == [1] and ran == []
+
+    async def reads(message: dict) -> None:
+        sent.append(message)
+
+    await EventStream(relay(), {}, lambda: unsent.append(2))({"type": "http"}, None, reads)  # type: ignore[arg-type]
+    assert unsent == [1] and ran == ["started", "cleaned"]
+    assert [m.get("body") for m in sent] == [None, b"data: 1\n\n", b""]
 
 
 def test_metrics_series_are_looked_up_once_and_counted_as_labels_would() -> None:

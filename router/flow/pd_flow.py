@@ -60,7 +60,7 @@ from pdserve.router.flow.paths import PathPlanner
 from pdserve.router.flow import first_token
 from pdserve.router.flow.prefill_leg import PrefillLeg, decode_payload, overlap_params, prompt_ids
 from pdserve.router.flow.producer_watch import ProducerWatch
-from pdserve.router.flow.relay import EventStream, Relay
+from pdserve.router.flow.relay import Relay
 from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Policy, Pool, RouteContext, Worker
@@ -176,14 +176,14 @@ class PDFlow:
         if first_token.fits(call, data, self.decode.max_model_len(call.model)):
             # No decode engine refuses it for its length: the token goes out now, the decode leg's ingest after
             # it (a leg that fails to open ends the stream with an error event, as a failure mid-stream does).
-            return EventStream(self.relay.stream_handed(call, lead, opening), headers={"X-Request-Id": call.request_id})
+            return self.relay.respond_handed(call, lead, opening)
         # Else the decode leg's headers before the token: a request its engine refuses (its context too long
         # for max_tokens, say) gets that engine's error as the response, as in the default flow, not a
         # token and then an error event. It costs the first token the decode engine's ingest.
         leg = await opening
         if leg.resp.status != 200:
             return await self.decode_legs.unary(call, leg)
-        return EventStream(self.relay.stream_handed(call, lead, leg), headers={"X-Request-Id": call.request_id})
+        return self.relay.respond_handed(call, lead, leg)
 
     async def _open_after_handed(self, call: Call, data: dict[str, Any], token: int, ctx: RouteContext) -> DecodeLeg:
         t_prefill_done = await self._prefill_landed(call, data)
@@ -279,7 +279,7 @@ class PDFlow:
     async def _respond(self, call: Call, leg: DecodeLeg) -> Response:
         if leg.resp.status != 200 or not call.stream:
             return await self.decode_legs.unary(call, leg)
-        return EventStream(self.relay.stream(call, leg), headers={"X-Request-Id": call.request_id})
+        return self.relay.respond(call, leg)
 
     # ------------------------------------------------------------ cleanup
 

@@ -79,14 +79,27 @@ class EventStream(StreamingResponse):
     disconnect cancels the serving task, which ends the relay just the same.
     """
 
-    def __init__(self, chunks: AsyncGenerator[bytes, None], headers: Mapping[str, str]) -> None:
+    def __init__(self, chunks: AsyncGenerator[bytes, None], headers: Mapping[str, str],
+                 unsent: Callable[[], None]) -> None:
+        """`unsent` is the relay's cleanup for a stream the client left before its first chunk was asked for:
+        the relay never ran, so its own cleanup never will (closing a generator that has not started runs
+        none of its code), and what it holds (a decode leg and its worker slot) would stay held."""
         super().__init__(chunks, media_type="text/event-stream", headers=headers)
         self.chunks = chunks
+        self.unsent = unsent
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
         try:
-            await self.stream_response(send)
+            # The headers' send can wait (a client that does not read fills the socket) and take the cancel.
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            started = True  # the relay starts with the first chunk asked for, before anything can be cancelled
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:  # the relay's cleanup at once, also when the cancel lands in a send rather than in it
+            if not started:
+                self.unsent()
             await self.chunks.aclose()
 
 
@@ -175,12 +188,7 @@ class Relay:
         try:
             yield lead
         except BaseException:  # the client left with the token: the decode leg is dropped (vLLM aborts it)
-            if isinstance(leg, DecodeLeg):
-                leg.slot.abandon()
-                leg.resp.close()
-            else:
-                leg.close()  # never sent
-            self._count_ended(call, "499")
+            self._drop(call, leg)
             raise
         finally:
             self._observe_handed_token(call, now, time.perf_counter() - now)
@@ -228,6 +236,25 @@ class Relay:
         finally:
             if outcome:
                 self._count_ended(call, outcome)
+
+    def respond(self, call: Call, leg: DecodeLeg) -> EventStream:
+        """The decode leg's stream as the response."""
+        return EventStream(self.stream(call, leg), {"X-Request-Id": call.request_id}, lambda: self._drop(call, leg))
+
+    def respond_handed(self, call: Call, lead: bytes, leg: DecodeLeg | Coroutine[Any, Any, DecodeLeg]) -> EventStream:
+        """A stream that opens with the prefill's token (`stream_handed`) as the response."""
+        return EventStream(self.stream_handed(call, lead, leg), {"X-Request-Id": call.request_id},
+                           lambda: self._drop(call, leg))
+
+    def _drop(self, call: Call, leg: DecodeLeg | Coroutine[Any, Any, DecodeLeg]) -> None:
+        """End a stream the client left before its decode leg was relayed: the leg dropped (vLLM aborts it),
+        or never sent when it was still to open; counted as the client's."""
+        if isinstance(leg, DecodeLeg):
+            leg.slot.abandon()
+            leg.resp.close()
+        else:
+            leg.close()
+        self._count_ended(call, "499")
 
     def _count_ended(self, call: Call, outcome: str) -> None:
         self.metrics.series(self.metrics.requests, call.route, outcome).inc()
