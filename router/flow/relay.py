@@ -174,8 +174,7 @@ class Relay:
             # Closing (not releasing) an unfinished response drops its connection, which aborts the request.
             leg.slot.abandon()
             leg.resp.close()
-            self.metrics.series(self.metrics.requests, call.route, outcome).inc()
-            self.end(call)
+            self._count_ended(call, outcome)
 
     async def stream_handed(self, call: Call, lead: bytes,
                             leg: DecodeLeg | Coroutine[Any, Any, DecodeLeg]) -> AsyncGenerator[bytes, None]:
