@@ -26,12 +26,19 @@ The same backlog says when the prompt just placed on a prefill worker should be 
 which times an overlapped decode leg (`QueueEstimate.overlap_delay`): a leg held in its
 decode engine while the prefill runs is not free there. vLLM's engine keeps stepping for a
 request that waits for its remote KV, and on a CPU host that busy loop (about one core,
-measured on the 2-core VM) slows the very prefill it waits for. So the leg goes out just
-early enough to be in the decode engine when the KV lands: the prefill's predicted end
-less the decode leg's ingest (learned from the decode legs' response headers). Timing one leg
-takes the median of the last few legs (`RecentMedian`), not the EWMA above: on a loaded
-machine one prefill of 5.6 s among ones of 1.9-2.0 s kept the EWMA's prediction 0.2-1.9 s
-late for the next ten legs (measured here), and a late leg loses what overlapping gains.
+measured on the 2-core VM) slows the very prefill it waits for; on one GPU shared by both
+engines the overlapped prefill legs took 46.6 ms at c=4 against 34.5 in sequence (H200). So
+the leg goes out just early enough to be in the decode engine when the KV lands: the
+prefill's predicted end less the decode leg's ingest (learned from the decode legs' response
+headers). Timing one leg takes the median of the last few legs (`RecentMedian`), not the EWMA
+above: on a loaded machine one prefill of 5.6 s among ones of 1.9-2.0 s kept the EWMA's
+prediction 0.2-1.9 s late for the next ten legs (measured here), and a late leg loses what
+overlapping gains. Each of those samples is a leg's whole latency over the backlog it was
+sent behind (its own tokens included): the quantity the prediction multiplies. A leg's
+service share (above) would not do for a median: when an engine batches several prompts
+into one step they end together, the first takes the step's whole time and the others
+nothing, so the median was 0 and every leg went out at once (H200, c=4 and c=8: legs held
+for the whole prefill leg).
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ class TokenCost:
         self.samples = 0
         self._seconds = 0.0  # EWMA of a leg's service seconds
         self._tokens = 0.0  # EWMA of a leg's prompt tokens (so _seconds / _tokens is per token)
-        self.recent = RecentMedian()  # the last legs' seconds per token, for timing one leg
+        self.recent = RecentMedian()  # the last legs' latency per token of backlog at their send, for timing one leg
         self._last_end: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
         self._open: weakref.WeakKeyDictionary[Worker, list[int]] = weakref.WeakKeyDictionary()  # open legs' tokens
         self._busy_since: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
@@ -92,14 +99,16 @@ class TokenCost:
         """The recent legs' mean prompt length."""
         return self._tokens if self.samples else None
 
-    def observe(self, w: Worker, tokens: int, t_sent: float, t_end: float, learn: bool = True) -> None:
-        """A leg on `w` sent at `t_sent` ended at `t_end` (learn=False: it failed, nothing to learn)."""
+    def observe(self, w: Worker, tokens: int, t_sent: float, t_end: float, learn: bool = True,
+                backlog: float | None = None) -> None:
+        """A leg on `w` sent at `t_sent` behind `backlog` prompt tokens (its own included; default: its own)
+        ended at `t_end` (learn=False: it failed, nothing to learn)."""
         last = self._last_end.get(w, t_sent)
         self._last_end[w] = max(last, t_end)
         if not learn or tokens < LEARN_MIN_TOKENS:
             return
         service = max(0.0, t_end - max(t_sent, last))
-        self.recent.observe(service / tokens)
+        self.recent.observe((t_end - t_sent) / max(float(tokens), backlog or 0.0))
         if self.samples == 0:
             self._seconds, self._tokens = service, float(tokens)
         else:
@@ -110,16 +119,17 @@ class TokenCost:
     @contextmanager
     def leg(self, w: Worker, tokens: int) -> Iterator["LegTiming"]:
         """Time one leg on `w`; it is learned from when the caller sets `ok` (an answer worth learning from)."""
-        timing = LegTiming(time.perf_counter())
+        t_sent = time.perf_counter()
         legs = self._open.setdefault(w, [])
+        timing = LegTiming(t_sent, backlog=max(0.0, sum(legs) - self.served_since_busy(w, t_sent)) + tokens)
         if not legs:
-            self._busy_since[w] = timing.t_sent
+            self._busy_since[w] = t_sent
         legs.append(tokens)
         try:
             yield timing
         finally:
             legs.remove(tokens)
-            self.observe(w, tokens, timing.t_sent, time.perf_counter(), timing.ok)
+            self.observe(w, tokens, t_sent, time.perf_counter(), timing.ok, timing.backlog)
 
     def served_since_busy(self, w: Worker, now: float) -> float:
         """Prompt tokens `w` has served of its open legs: its time since the current busy stretch began
@@ -136,6 +146,7 @@ class TokenCost:
 @dataclass
 class LegTiming:
     t_sent: float
+    backlog: float  # prompt tokens ahead of the leg's end when it was sent, its own included
     ok: bool = False
 
 

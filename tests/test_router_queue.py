@@ -10,6 +10,7 @@ whole path through real vLLM engines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 from typing import AsyncIterator
@@ -383,3 +384,26 @@ def test_one_slow_leg_does_not_move_the_timing_of_the_next() -> None:
     est.decode_ingest.observe(0.5)
     est.decode_ingest.observe(0.02)
     assert est.decode_ingest.value == pytest.approx(0.02)  # median of 0.01, 0.5, 0.02
+
+
+def test_prompts_batched_into_one_step_still_time_the_next_overlapped_leg(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four 1000-token legs sent one after another and answered together (one engine step for all four,
+    as a GPU engine batches them): the timing figure is each leg's latency over the backlog it was sent
+    behind, so the next leg is due when four such prompts take, not at once (a leg's service share would
+    be 1 s for the first and 0 for the others: median 0)."""
+    clock = [0.0]
+    monkeypatch.setattr(prefill_estimate.time, "perf_counter", lambda: clock[0])
+    cost, w = TokenCost(), _worker()
+    with contextlib.ExitStack() as legs:
+        for i in range(4):
+            clock[0] = 0.001 * i
+            legs.enter_context(cost.leg(w, 1000)).ok = True
+        clock[0] = 1.0
+    # backlogs 1000..4000 (nothing served yet), latencies about 1 s
+    assert cost.recent.value == pytest.approx((0.999 / 2000 + 0.998 / 3000) / 2)
+    est = QueueEstimate(None)
+    est.prefill = cost
+    est.decode_ingest.observe(0.01)
+    w.inflight_tokens = 4000  # another four behind the same backlog
+    assert est.overlap_delay(w, now=1.0) == pytest.approx(4000 * cost.recent.value - 0.01)
+    assert est.overlap_delay(w, now=1.0) > 1.0
