@@ -160,10 +160,8 @@ class Relay:
                         yield err.sse_event()
                         return
                     if leg.resp.status != 200:
-                        outcome = str(leg.resp.status)
-                        body = await leg.resp.read()
-                        leg.slot.answered()
-                        yield UpstreamResponse(leg.resp.status, body).sse_event()
+                        event, outcome = await self._refusal(leg)
+                        yield event
                         return
         finally:
             # Runs on client disconnect too (the generator is cancelled): nothing here may await.
@@ -217,17 +215,7 @@ class Relay:
             if leg.resp.status == 200:
                 outcome = ""
                 return leg
-            try:
-                event = UpstreamResponse(leg.resp.status, await leg.resp.read()).sse_event()
-                outcome = str(leg.resp.status)
-                leg.slot.answered()
-            except UPSTREAM_ERRORS as exc:
-                leg.slot.failed(exc)
-                outcome = "502"
-                event = RouterError(502, f"decode worker failed: {describe(exc)}").sse_event()
-            finally:
-                leg.slot.abandon()  # only when cancelled: the lines above gave the verdict otherwise
-                leg.resp.close()
+            event, outcome = await self._refusal(leg)
             return event
         except RouterError as err:
             outcome = str(err.status)
@@ -235,6 +223,22 @@ class Relay:
         finally:
             if outcome:
                 self._count_ended(call, outcome)
+
+    @staticmethod
+    async def _refusal(leg: DecodeLeg) -> tuple[bytes, str]:
+        """A decode leg's non-200 answer as the error event that ends its stream, and the outcome to count: the
+        engine's own error, or a 502 when the answer's body cannot be read (the worker dropped the connection
+        after its headers). The leg is closed either way."""
+        try:
+            event = UpstreamResponse(leg.resp.status, await leg.resp.read()).sse_event()
+            leg.slot.answered()
+            return event, str(leg.resp.status)
+        except UPSTREAM_ERRORS as exc:
+            leg.slot.failed(exc)
+            return RouterError(502, f"decode worker failed: {describe(exc)}").sse_event(), "502"
+        finally:
+            leg.slot.abandon()  # only when cancelled: the lines above gave the verdict otherwise
+            leg.resp.close()
 
     def respond(self, call: Call, leg: DecodeLeg) -> EventStream:
         """The decode leg's stream as the response."""
