@@ -44,8 +44,7 @@ class Decoders:
 
 async def test_a_retried_decode_leg_whose_refusal_cannot_be_read_ends_the_stream_with_an_error_event() -> None:
     decoders = Decoders()
-    app = worker_app(healthy, serves_stub, decoders.handle)
-    async with listening(app, worker_app(healthy, serves_stub, decoders.handle)) as urls:
+    async with listening(*(worker_app(healthy, serves_stub, decoders.handle) for _ in range(2))) as urls:
         router = await asyncio.to_thread(start_router, "--decode", *urls, "--health-interval", "600")
         try:
             async with httpx.AsyncClient(timeout=30) as client:
