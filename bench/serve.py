@@ -473,6 +473,7 @@ def comparison(runs: list[Run], paired: bool = False) -> list[dict[str, Any]]:
         pd = pd or {}  # --kv-backend without pdserve: its columns stay empty
         pd_ttft = _stat(pd, "ttft_ms", "p50")
         seq = by.get(("pd-sequential", conc))
+        ov = by.get(("pd-overlapped", conc))
         floor_p50 = _stat(pd_floor, "ttft_ms", "p50")
         coloc_tpot = coloc["tpot_ms"]["p50"]
         rows.append({
@@ -491,6 +492,7 @@ def comparison(runs: list[Run], paired: bool = False) -> list[dict[str, Any]]:
             "colocated_floor_ttft_p50_ms": _stat(coloc_floor, "ttft_ms", "p50"),
             "pd_cached_floor_ttft_p50_ms": _stat(cached_floor_run, "ttft_ms", "p50"),
             "handoff_over_floor_ms": pd_ttft - coloc_ttft - floor_p50,
+            "pd_itl_p99_ms": _stat(pd, "itl_ms", "p99"),
             "router_handoff_mean_ms": pd.get("router", {}).get("handoff_mean_ms", math.nan),
             "router_own_mean_ms": coloc.get("router", {}).get("router_overhead_mean_ms", math.nan),
             "router_own_pd_mean_ms": pd.get("router", {}).get("router_overhead_mean_ms", math.nan),
@@ -501,14 +503,19 @@ def comparison(runs: list[Run], paired: bool = False) -> list[dict[str, Any]]:
             "sequential_tpot_p50_ms": _stat(seq, "tpot_ms", "p50"),
             "sequential_router_handoff_mean_ms": (seq or {}).get("router", {}).get("handoff_mean_ms", math.nan),
             "sequential_decode_loads": (seq or {}).get("decode_loads", {}),
+            "overlapped_handoff_p50_ms": _stat(ov, "ttft_ms", "p50") - coloc_ttft,
+            "overlapped_handoff_over_floor_ms": _stat(ov, "ttft_ms", "p50") - coloc_ttft - floor_p50,
+            "overlapped_tpot_p50_ms": _stat(ov, "tpot_ms", "p50"),
+            "overlapped_itl_p99_ms": _stat(ov, "itl_ms", "p99"),
+            "overlapped_router_handoff_mean_ms": (ov or {}).get("router", {}).get("handoff_mean_ms", math.nan),
+            "overlapped_decode_loads": (ov or {}).get("decode_loads", {}),
             "at_start_handoff_p50_ms": _stat(by.get(("pd-overlap-start", conc)), "ttft_ms", "p50") - coloc_ttft,
-            "first_token_handoff_p50_ms": _stat(by.get(("pd-first-token", conc)), "ttft_ms", "p50") - coloc_ttft,
-            "first_token_tpot_p50_ms": _stat(by.get(("pd-first-token", conc)), "tpot_ms", "p50"),
-            "first_token_itl_p99_ms": _stat(by.get(("pd-first-token", conc)), "itl_ms", "p99"),
-            "ttft_mean_ms": {"pd": _stat(pd, "ttft_ms", "mean"), "sequential": _stat(seq, "ttft_ms", "mean"),
+            "ttft_mean_ms": {"pd": _stat(pd, "ttft_ms", "mean"), "overlap": _stat(ov, "ttft_ms", "mean"),
+                             "sequential": _stat(seq, "ttft_ms", "mean"),
                              "colocated": coloc["ttft_ms"]["mean"], "direct": direct["ttft_ms"]["mean"]},
-            "phases": {"overlap": phase_means(pd), "sequential": phase_means(seq)},
-            "decode_engine": {"overlap": pd.get("decode_engine", {}), "sequential": (seq or {}).get("decode_engine", {})},
+            "phases": {mode: phase_means(m) for mode, m in (("pd", pd), ("overlap", ov), ("sequential", seq))},
+            "decode_engine": {mode: (m or {}).get("decode_engine", {})
+                              for mode, m in (("pd", pd), ("overlap", ov), ("sequential", seq))},
             "backends": backend_rows(by, conc, coloc_ttft),
         })
         if paired and conc == 1:
@@ -637,6 +644,13 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
               f"decode engine's KV load {row['decode_loads'].get('load_ms', math.nan):.1f} ms")
         print(f"  decode engine's KV loads: {describe_load_phases(row['decode_loads'])}")
         print(f"  prefill engine's saves: {describe_saves(row.get('prefill_saves', {}))}")
+        if not math.isnan(row["overlapped_handoff_p50_ms"]):
+            print(f"  overlapped legs for every request (--no-pd-first-token): handoff overhead "
+                  f"{row['overlapped_handoff_p50_ms']:.1f} ms, router-measured handoff "
+                  f"{row['overlapped_router_handoff_mean_ms']:.1f} ms; TPOT p50 {row['overlapped_tpot_p50_ms']:.2f} ms, "
+                  f"ITL p99 {row['overlapped_itl_p99_ms']:.2f} ms (by default {row['pd_tpot_p50_ms']:.2f} and "
+                  f"{row['pd_itl_p99_ms']:.2f}: there the decode leg is the second token's wait); KV loads: "
+                  f"{describe_load_phases(row['overlapped_decode_loads'])}")
         if not math.isnan(row["sequential_handoff_p50_ms"]):
             print(f"  legs in sequence (--no-pd-overlap): handoff overhead {row['sequential_handoff_p50_ms']:.1f} ms, "
                   f"router-measured handoff {row['sequential_router_handoff_mean_ms']:.1f} ms; KV loads: "
@@ -644,10 +658,6 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
         if not math.isnan(row["at_start_handoff_p50_ms"]):
             print(f"  decode leg sent with the prefill leg (--pd-overlap-send start): handoff overhead "
                   f"{row['at_start_handoff_p50_ms']:.1f} ms")
-        if not math.isnan(row["first_token_handoff_p50_ms"]):
-            print(f"  the prefill's token streamed first (--pd-first-token): handoff overhead "
-                  f"{row['first_token_handoff_p50_ms']:.1f} ms; TPOT p50 {row['first_token_tpot_p50_ms']:.2f} ms, "
-                  f"ITL p99 {row['first_token_itl_p99_ms']:.2f} ms (the decode leg is the second token's wait)")
         for line in floor_and_phase_lines(row) + paired_lines(row.get("paired", {})):
             print(line)
     backends = [(row["max_concurrency"], name, b) for row in rows for name, b in row["backends"].items()]
@@ -663,23 +673,27 @@ def print_summary(runs: list[Run], rows: list[dict[str, Any]]) -> None:
 def floor_and_phase_lines(row: dict[str, Any]) -> list[str]:
     """The rows that give a comparison's handoff a yardstick and an owner for each millisecond: the
     engines' floors, the handoff over the decode engine's floor, the connector's cost to TPOT, and the
-    router's phases of P/D TTFT (overlapped, in sequence) beside what a colocated request spends on each."""
+    router's phases of P/D TTFT (by default, overlapped, in sequence) beside what a colocated request
+    spends on each."""
     conc = row["max_concurrency"]
     lines = [
         f"  floor (TTFT p50 of a {FLOOR_PROMPT_TOKENS}-token prompt straight at the engine, c=1): "
         f"P/D decode engine {row['pd_floor_ttft_p50_ms']:.1f} ms, colocated engine "
         f"{row['colocated_floor_ttft_p50_ms']:.1f} ms; handoff p50 minus the decode engine's floor: "
-        f"{row['handoff_over_floor_ms']:.1f} ms overlapped, {row['sequential_handoff_over_floor_ms']:.1f} ms in sequence",
+        f"{row['handoff_over_floor_ms']:.1f} ms by default, {row['overlapped_handoff_over_floor_ms']:.1f} ms "
+        f"overlapped, {row['sequential_handoff_over_floor_ms']:.1f} ms in sequence",
         f"  the P/D decode engine's TTFT p50 for a prompt of this length whose KV it already holds (its own prefix "
         f"cache, c=1): {row['pd_cached_floor_ttft_p50_ms']:.1f} ms (the text tokenized, the last token's step over "
         f"the whole context: a decode leg in sequence with nothing to load)",
         f"  connector's cost to decode: TPOT p50 {row['pd_tpot_p50_ms']:.2f} ms P/D "
-        f"({row['sequential_tpot_p50_ms']:.2f} in sequence) vs {row['colocated_tpot_p50_ms']:.2f} ms on the "
-        f"colocated engine, which runs without a connector: x{row['tpot_connector_ratio']:.3f}"
+        f"({row['overlapped_tpot_p50_ms']:.2f} overlapped, {row['sequential_tpot_p50_ms']:.2f} in sequence) vs "
+        f"{row['colocated_tpot_p50_ms']:.2f} ms on the colocated engine, which runs without a connector: "
+        f"x{row['tpot_connector_ratio']:.3f}"
         + ("" if conc == 1 else " (above c=1 the colocated TPOT also carries other requests' prefills)"),
     ]
-    ov, seq, ttft = row["phases"]["overlap"], row["phases"]["sequential"], row["ttft_mean_ms"]
-    if all(math.isnan(v) for v in (*ov.values(), *seq.values())):
+    phases, ttft = row["phases"], row["ttft_mean_ms"]
+    modes = {"pd": "by default", "overlap": "overlapped", "sequential": "in sequence"}
+    if all(math.isnan(v) for mode in modes for v in phases[mode].values()):
         return lines + ["  router phases: none timed (a router without pdserve_router_phase_seconds)"]
     beside = {
         "before_first_call": f"colocated: the router's own time {row['router_own_mean_ms']:.2f} "
@@ -688,17 +702,21 @@ def floor_and_phase_lines(row: dict[str, Any]) -> list[str]:
         "decode_first_token": f"the decode engine's floor {row['pd_floor_ttft_mean_ms']:.1f}, "
                               f"with the prompt's KV in its cache {row['pd_cached_floor_ttft_p50_ms']:.1f} (p50)",
     }
-    lines.append(f"  where P/D TTFT goes (router's phases, mean ms): {'overlapped':>10} {'in sequence':>12}")
+
+    def columns(values: Callable[[str], float]) -> str:
+        return " ".join(f"{values(mode):>12.2f}" for mode in modes)
+
+    lines.append("  where P/D TTFT goes (router's phases, mean ms): " + " ".join(f"{t:>12}" for t in modes.values()))
     for name, title in PHASES.items():
-        lines.append(f"    {title:<30}{ov[name]:>10.2f} {seq[name]:>12.2f}   {beside.get(name, '')}".rstrip())
-    lines.append(f"    {'sum: the router sees the token':<30}{sum(ov[n] for n in PHASES):>10.2f} "
-                 f"{sum(seq[n] for n in PHASES):>12.2f}   colocated TTFT through the router {ttft['colocated']:.1f}")
-    lines.append(f"    {'TTFT the client sees':<30}{ttft['pd']:>10.2f} {ttft['sequential']:>12.2f}")
+        lines.append(f"    {title:<30}{columns(lambda m: phases[m][name])}   {beside.get(name, '')}".rstrip())
+    lines.append(f"    {'sum: the router sees the token':<30}{columns(lambda m: sum(phases[m][n] for n in PHASES))}"
+                 f"   colocated TTFT through the router {ttft['colocated']:.1f}")
+    lines.append(f"    {'TTFT the client sees':<30}{columns(lambda m: ttft[m])}")
     lines.append(f"    overlapped decode leg out before the prefill answered (inside the prefill leg): "
-                 f"{ov['overlap_wait']:.1f}")
+                 f"{phases['overlap']['overlap_wait']:.1f}")
     for mode, engine in row["decode_engine"].items():
         if engine:
-            lines.append(f"    decode engine's own view ({'overlapped' if mode == 'overlap' else 'in sequence'}, "
+            lines.append(f"    decode engine's own view ({modes[mode]}, "
                          f"vLLM's histograms, warm-up included): arrival to first token {engine.get('engine_ttft_ms', math.nan):.1f}, "
                          f"of which queued {engine.get('engine_queue_ms', math.nan):.1f} (KV load wait included) "
                          f"and first scheduled to first token {engine.get('engine_prefill_ms', math.nan):.1f}")
@@ -783,13 +801,13 @@ def second_router(stack: Any, *flags: str) -> Iterator[str]:
         yield url
 
 
-# The P/D stack's routers by run label, with their flags: the stack's own overlaps the legs and skips a long
-# prefill queue (the defaults); the second sends the legs in sequence, the third always disaggregates, the
-# fourth sends an overlapped decode leg with its prefill leg instead of at the predicted end, the fifth streams
-# the prefill's token first and sends the decode leg after it.
+# The P/D stack's routers by run label, with their flags: the stack's own runs the defaults (the prefill's
+# token streamed first, the decode leg after it; a long prefill queue skipped); the second overlaps the legs of
+# every request instead, the third sends them in sequence, the fourth always disaggregates (the defaults
+# otherwise), the fifth sends an overlapped decode leg with its prefill leg instead of at the predicted end.
 PD_ROUTERS: dict[str, tuple[str, ...]] = {
-    "pd": (), "pd-sequential": ("--no-pd-overlap",), "pd-queue-blind": ("--no-pd-queue-aware",),
-    "pd-overlap-start": ("--pd-overlap-send", "start"), "pd-first-token": ("--pd-first-token",)}
+    "pd": (), "pd-overlapped": ("--no-pd-first-token",), "pd-sequential": ("--no-pd-overlap", "--no-pd-first-token"),
+    "pd-queue-blind": ("--no-pd-queue-aware",), "pd-overlap-start": ("--pd-overlap-send", "start", "--no-pd-first-token")}
 # The colocated engine's runs, the yardsticks of the P/D ones.
 COLOCATED_LABELS = ("colocated-router", "colocated-direct")
 # An engine's connector counters by its role in a P/D stack ("decode", "prefill"); None where it did not answer.

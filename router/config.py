@@ -37,8 +37,11 @@ class RouterConfig:
     pd_overlap_send: Literal["estimate", "start"] = "estimate"
     # stream the prefill leg's token as the first one and send the decode leg the prompt plus it (the legs in
     # sequence), for the streamed completions that one sampled token can be handed over without changing
-    # what the request means (first_token.py); the others keep the default flow
-    pd_first_token: bool = False
+    # what the request means (first_token.py); the others take the overlapped flow. On by default: an
+    # overlapped decode leg starts its KV load only once the prefill has ended too, so overlapping hides
+    # only the decode leg's ingest, while the handed token skips the load and a decode step (H200 runs:
+    # P/D TTFT p50 5 ms over colocated at c=1 against 26, below colocated at c=4 and c=8)
+    pd_first_token: bool = True
     pd_queue_aware: bool = True  # decode-only when the prefill queue would delay a prompt more than recomputing it
     pd_queue_poll_interval: float = 0.5  # seconds between scrapes of each worker's /metrics (its queue)
     api_key: str | None = None
@@ -109,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stream the token the prefill leg generated as the first one, then the decode leg's "
                         "(sent the prompt plus that token): P/D TTFT becomes the prefill's, the decode leg's "
                         "time moves to the second token; streamed completions without logprobs, stop strings, "
-                        "penalties, seeds or structured output only, the rest as without it")
+                        "penalties, seeds or structured output only, the rest as without it; "
+                        "--no-pd-first-token sends them the way --pd-overlap says, as the rest")
     p.add_argument("--pd-queue-aware", action=argparse.BooleanOptionalAction, default=d["pd_queue_aware"].default,
                    help="send a prompt decode-only when the prefill workers' queue would delay it more than "
                         "recomputing it on a decode worker costs (both measured from finished requests)")

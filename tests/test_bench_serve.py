@@ -164,29 +164,38 @@ def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connect
           "relay": 0.1, "overlap_wait": 100.0}
     seq = {**ov, "between_legs": 0.4, "decode_first_token": 24.0}
     del seq["overlap_wait"]
+    handed = {**seq, "between_legs": 0.3, "decode_first_token": 0.0}  # the default: the prefill's token first
     runs = [_phase_run(FLOOR_LABELS["pd"], 12.0, 0.0), _phase_run(FLOOR_LABELS["colocated"], 11.0, 0.0),
-            _phase_run(CACHED_FLOOR_LABEL, 15.0, 0.0),
-            _phase_run("pd", 130.0, 0.0105, ov), _phase_run("pd-sequential", 135.0, 0.0110, seq),
+            _phase_run(CACHED_FLOOR_LABEL, 15.0, 0.0), _phase_run("pd", 111.0, 0.0105, handed),
+            _phase_run("pd-overlapped", 130.0, 0.0104, ov), _phase_run("pd-sequential", 135.0, 0.0110, seq),
             _phase_run("colocated-router", 100.0, 0.0100), _phase_run("colocated-direct", 99.5, 0.0100)]
-    runs[4].metrics["decode_engine"] = {"engine_ttft_ms": 22.5, "engine_queue_ms": 8.0, "engine_prefill_ms": 14.5}
+    runs[5].metrics["decode_engine"] = {"engine_ttft_ms": 22.5, "engine_queue_ms": 8.0, "engine_prefill_ms": 14.5}
     [row] = comparison(runs)
     assert row["pd_floor_ttft_p50_ms"] == pytest.approx(12.0)
     assert row["colocated_floor_ttft_p50_ms"] == pytest.approx(11.0)
     assert row["pd_cached_floor_ttft_p50_ms"] == pytest.approx(15.0)
-    assert row["handoff_over_floor_ms"] == pytest.approx(18.0)  # 130 - 100 - 12
+    assert row["handoff_overhead_p50_ms"] == pytest.approx(11.0)  # the defaults' run
+    assert row["overlapped_handoff_p50_ms"] == pytest.approx(30.0)
+    assert row["handoff_over_floor_ms"] == pytest.approx(-1.0)  # 111 - 100 - 12
+    assert row["overlapped_handoff_over_floor_ms"] == pytest.approx(18.0)
     assert row["sequential_handoff_over_floor_ms"] == pytest.approx(23.0)
     assert row["tpot_connector_ratio"] == pytest.approx(1.05)
+    assert row["overlapped_tpot_p50_ms"] == pytest.approx(10.4)
     assert row["phases"]["overlap"]["decode_first_token"] == 19.0
+    assert row["phases"]["pd"]["decode_first_token"] == 0.0
     assert math.isnan(row["phases"]["sequential"]["overlap_wait"])
     lines = floor_and_phase_lines(row)
     text = "\n".join(lines)
     assert "P/D decode engine 12.0 ms, colocated engine 11.0 ms" in text
-    assert "18.0 ms overlapped, 23.0 ms in sequence" in text and "x1.050" in text
+    assert "-1.0 ms by default, 18.0 ms overlapped, 23.0 ms in sequence" in text and "x1.050" in text
+    assert "(10.40 overlapped, 11.00 in sequence)" in text
     decode_line = next(line for line in lines if PHASES["decode_first_token"] in line)
-    assert decode_line.split()[5:7] == ["19.00", "24.00"] and "floor 12.0" in decode_line
+    assert decode_line.split()[5:8] == ["0.00", "19.00", "24.00"] and "floor 12.0" in decode_line
     assert "in its cache 15.0 (p50)" in decode_line and "already holds (its own prefix cache, c=1): 15.0 ms" in text
     total = next(line for line in lines if "sum:" in line)
-    assert total.split()[6:8] == ["129.60", "135.00"]  # the phases, added up
+    assert total.split()[6:9] == ["110.90", "129.60", "135.00"]  # the phases, added up
+    seen = next(line for line in lines if "TTFT the client sees" in line)
+    assert seen.split()[4:7] == ["111.00", "130.00", "135.00"]
     engine = [line for line in lines if "decode engine's own view" in line]
     assert len(engine) == 1 and "in sequence" in engine[0] and "first token 22.5, of which queued 8.0" in engine[0]
 

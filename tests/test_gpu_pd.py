@@ -125,15 +125,13 @@ class GPUStack:
                 if not proc.alive() or time.monotonic() > deadline:
                     raise AssertionError(f"{name} did not start; log {proc.log_path}:\n{proc.log_tail()}")
                 time.sleep(1.0)
-        self.router_port = self._router("router")
-        self.first_token_router_port = self._router("router-first-token", "--pd-first-token")
+        self.router_port = self._router("router")  # the defaults: --pd-first-token for streamed completions
 
-    def _router(self, name: str, *flags: str) -> int:
+    def _router(self, name: str) -> int:
         port = free_port()
         self.procs.append(start_process(
             [*pdserve_argv("router"), "--port", str(port), "--prefill", self.url(self.prefill_port),
-             "--decode", self.url(self.decode_port), "--tokenizer", self.model, "--pd-min-prompt-tokens", "0",
-             *flags],
+             "--decode", self.url(self.decode_port), "--tokenizer", self.model, "--pd-min-prompt-tokens", "0"],
             f"{self.url(port)}/health", name=name, port=port, timeout=120,
         ))
         return port
@@ -231,23 +229,23 @@ def test_pd_through_the_router_equals_colocated(stack: GPUStack) -> None:
 
 
 def test_pd_first_token_streams_what_colocated_answers(stack: GPUStack) -> None:
-    """`--pd-first-token` on GPU engines: the prefill's token opens the stream and the decode engine, handed
-    the prompt plus that token, loads the prompt's KV (params made for its prompt's start) and goes on; the
-    text is the colocated engine's greedy answer and usage counts the handed token as generated."""
-    handed_before = metric(stack.url(stack.first_token_router_port), "pdserve_router_paths_total",
+    """`--pd-first-token` (the default) on GPU engines: the prefill's token opens the stream and the decode
+    engine, handed the prompt plus that token, loads the prompt's KV (params made for its prompt's start) and
+    goes on; the text is the colocated engine's greedy answer and usage counts the handed token as generated."""
+    handed_before = metric(stack.url(stack.router_port), "pdserve_router_paths_total",
                            {"path": "pd_first_token"})
     before = connector_counts(stack, stack.decode_port)
     for length in LENGTHS:
         prompt = prompt_of(length, seed=4)
         reference = stack.complete(stack.coloc_port, prompt)
-        events = stack.stream(stack.first_token_router_port, prompt)
+        events = stack.stream(stack.router_port, prompt)
         text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
         assert text == reference["choices"][0]["text"], f"{stack.arch} {length} tokens"
         assert events[-1]["usage"]["completion_tokens"] == MAX_TOKENS, events[-1]
         assert events[-1]["usage"]["prompt_tokens"] == length, events[-1]
-    handed = metric(stack.url(stack.first_token_router_port), "pdserve_router_paths_total",
+    handed = metric(stack.url(stack.router_port), "pdserve_router_paths_total",
                     {"path": "pd_first_token"}) - handed_before
-    # Prompts whose first token ends inside a character take the default flow; most start with a whole one.
+    # Prompts whose first token ends inside a character take the overlapped flow; most start with a whole one.
     assert handed >= len(LENGTHS) // 2, handed
     after = _settled_counts(stack, stack.decode_port, "loads", before.get("loads", 0) + len(LENGTHS))
     assert after.get("loads", 0) - before.get("loads", 0) == len(LENGTHS), (before, after)

@@ -1,6 +1,7 @@
-"""`pdserve router --pd-first-token` over the session's real P/D engines: the prefill's token opens the
-stream, the decode leg (the prompt plus that token) loads the prompt's KV and goes on, and the client
-gets the decode engine's own answer; requests outside the mode's allow-list take the default flow."""
+"""`pdserve router` (`--pd-first-token` is on by default) over the session's real P/D engines: the
+prefill's token opens the stream, the decode leg (the prompt plus that token) loads the prompt's KV and
+goes on, and the client gets the decode engine's own answer; requests outside the mode's allow-list take
+the other flow (overlapped legs)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def router(pd_stack: Stack) -> Iterator[Proc]:
-    proc = pd_router(pd_stack, "--pd-first-token")
+    proc = pd_router(pd_stack)  # the mode is on by default
     try:
         yield proc
     finally:
@@ -54,7 +55,7 @@ def _prompt_tokens(stack: Stack, body: dict) -> int:
 
 def _whole_first_token(stack: Stack, seeds: range) -> dict:
     """A greedy request whose first token is a whole character (the random-weight model also answers with
-    tokens that end inside one, which the mode leaves to the default flow: first_token.handed_token)."""
+    tokens that end inside one, which the mode leaves to the overlapped flow: first_token.handed_token)."""
     for seed in seeds:
         body = {"model": stack.model, "prompt": long_prompt(110, seed=seed), "max_tokens": 12, "temperature": 0.0}
         first = _direct(stack, {**body, "max_tokens": 1})

@@ -126,8 +126,10 @@ async def routed(store: KVStoreProc, request: pytest.FixtureRequest) -> AsyncIte
     adds RouterConfig fields."""
     stubs = Stubs(store.url)
     async with stubs.serve() as (prefill, decode):
+        # the overlapped flow for every streamed request: the handed-token one runs the legs in sequence
         cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), pd_min_prompt_tokens=0,
-                           pd_queue_aware=False, health_interval=600.0, **getattr(request, "param", {}))
+                           pd_queue_aware=False, pd_first_token=False, health_interval=600.0,
+                           **getattr(request, "param", {}))
         app = create_app(cfg)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",

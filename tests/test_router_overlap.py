@@ -88,7 +88,8 @@ def test_overlapped_legs_equal_a_recomputing_engine(pd_stack: Stack) -> None:
     # Health checks far apart: a loaded machine can miss them. Queue-aware paths off: the reference
     # answers below run straight on the prefill engine, and a queue scrape that saw one still running
     # made the next prompt's plan wait for it and go decode-only (seen once in a full-suite run).
-    router = pd_router(pd_stack, "--health-interval", "600", "--no-pd-queue-aware")
+    # Every stream overlapped too: by default the streamed ones would take the handed-token flow.
+    router = pd_router(pd_stack, "--health-interval", "600", "--no-pd-queue-aware", "--no-pd-first-token")
     try:
         complete(router.url, pd_stack.model, long_prompt(40, seed=30))  # teaches the router its store
         assert overlapped(router) == 0

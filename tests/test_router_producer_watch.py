@@ -193,7 +193,7 @@ async def routed() -> AsyncIterator[tuple[Stubs, httpx.AsyncClient, Scrape]]:
     stubs = Stubs()
     async with stubs.serve() as (prefill, decode):
         cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), pd_min_prompt_tokens=0,
-                           pd_queue_aware=False, health_interval=600.0)
+                           pd_queue_aware=False, pd_first_token=False, health_interval=600.0)
         app = create_app(cfg)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:

@@ -1,18 +1,20 @@
-"""The prefill's token as the stream's first (`--pd-first-token`): P/D TTFT becomes the prefill leg's.
+"""The prefill's token as the stream's first (`--pd-first-token`, on by default): P/D TTFT becomes the
+prefill leg's.
 
-The prefill leg samples one token (max_tokens=1) and, by default, the router drops it: the
+The prefill leg samples one token (max_tokens=1) and, in the other flows, the router drops it: the
 decode leg recomputes the last prompt token from the transferred KV and samples the first
 token itself, so P/D TTFT is the prefill leg plus the whole decode leg. With this mode the
 router streams the prefill's token at once and sends the decode leg the prompt's token ids
 plus that token (max_tokens one less); the decode engine loads the prompt's KV (its connector
 takes params made for the start of its prompt) and computes the handed token's, the step it
 would otherwise spend on the last prompt token. The decode leg's time moves to the second
-token.
+token. An overlapped decode leg would not hide that time: it loads only once the prefill has
+ended too, so overlapping saves its ingest, while the handed token saves the load and a step.
 
 One sampled token can be handed over only where the rest of the answer does not depend on
 the engine having sampled it itself: streamed completions with n=1 and no logprobs, echo,
 stop strings, penalties, min_tokens, seed, logit bias or structured output (`eligible`, an
-allow-list: anything it does not know keeps the default flow). The decode engine counts the
+allow-list: anything it does not know takes the other flows). The decode engine counts the
 handed token as a prompt token; `UsageFix` moves it back to the completion in usage chunks. Greedy
 requests give the colocated engine's tokens; sampled ones a sample from the same
 distribution, as any two runs do.

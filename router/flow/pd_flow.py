@@ -161,8 +161,8 @@ class PDFlow:
 
     async def _serve_first_token(self, call: Call, ctx: RouteContext) -> Response:
         """The legs in sequence, the prefill's token streamed as the first (first_token.py) once the decode leg,
-        sent the prompt plus that token, has answered its headers; the default flow when the prefill did not
-        hand one."""
+        sent the prompt plus that token, has answered its headers. When the prefill did not hand
+        one, the decode leg goes out as with --no-pd-overlap (sent the prompt, its own token first)."""
         data = await self.prefill_leg.run(call, ctx)
         handed = first_token.handed_token(data) if data is not None else None
         if data is None or handed is None:
@@ -178,7 +178,7 @@ class PDFlow:
             # it (a leg that fails to open ends the stream with an error event, as a failure mid-stream does).
             return self.relay.respond_handed(call, lead, opening)
         # Else the decode leg's headers before the token: a request its engine refuses (its context too long
-        # for max_tokens, say) gets that engine's error as the response, as in the default flow, not a
+        # for max_tokens, say) gets that engine's error as the response, as in the other flows, not a
         # token and then an error event. It costs the first token the decode engine's ingest.
         leg = await opening
         if leg.resp.status != 200:
