@@ -40,7 +40,9 @@ def _stream(base: str, body: dict) -> tuple[list[dict], str]:
 
 
 def _direct(stack: Stack, body: dict) -> str:
-    whole = {k: v for k, v in body.items() if k != "stream_options"}
+    """The decode engine's own answer, salted: its blocks then stay out of the prefix cache that the routed
+    requests' decode legs look in, so those load the prompt's KV from the store rather than finding it there."""
+    whole = {k: v for k, v in body.items() if k != "stream_options"} | {"cache_salt": "reference"}
     r = httpx.post(stack.decode.url + "/v1/completions", json={**whole, "stream": False}, headers=HEADERS, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
