@@ -258,6 +258,7 @@ async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, base_url: st
 
 _ROUTER_SERIES = {"handoff": "pdserve_router_handoff_seconds", "router_overhead": "pdserve_router_overhead_seconds"}
 _PHASE_SERIES = "pdserve_router_phase_seconds"
+_PLAN_SERIES = "pdserve_router_plan_seconds"
 OVERLAP_AT = "overlap_at_"  # router_paths' keys of the overlapped decode legs by when they went out
 TTFT_BY_PATH = "ttft_"  # router_paths' keys of the router's TTFT seconds by path: ttft_sum_<path>, ttft_count_<path>
 # The phases of a P/D request's way to its first token as the router times them (router/flow/decode_leg.py:
@@ -265,11 +266,13 @@ TTFT_BY_PATH = "ttft_"  # router_paths' keys of the router's TTFT seconds by pat
 PHASES = {"before_first_call": "router before the first call", "prefill_leg": "prefill leg",
           "between_legs": "between the legs", "decode_first_token": "decode leg to first token",
           "relay": "relaying the first token"}
+# Two steps inside `before_first_call` (router/flow/paths.py), timed over every request the router planned.
+PLAN_STEPS = {"tokenize": "  of which tokenizing", "store_lookup": "  of which the store lookup"}
 
 
 def router_sums(text: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the router's handoff and overhead histograms and of each phase (`phase_<name>`) in a
-    /metrics page; empty when the page is no pdserve router's."""
+    """(sum, count) of the router's handoff and overhead histograms, of each phase (`phase_<name>`) and of
+    each planning step (`plan_<step>`) in a /metrics page; empty when the page is no pdserve router's."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {f"{name}_{part}": (key, i) for key, name in _ROUTER_SERIES.items()
@@ -281,6 +284,8 @@ def router_sums(text: str) -> dict[str, tuple[float, float]]:
                 key, i = wanted[sample.name]
             elif sample.name in (f"{_PHASE_SERIES}_sum", f"{_PHASE_SERIES}_count"):
                 key, i = f"phase_{sample.labels.get('phase', '')}", int(sample.name.endswith("_count"))
+            elif sample.name in (f"{_PLAN_SERIES}_sum", f"{_PLAN_SERIES}_count"):
+                key, i = f"plan_{sample.labels.get('step', '')}", int(sample.name.endswith("_count"))
             else:
                 continue
             sums.setdefault(key, [0.0, 0.0])[i] += sample.value
@@ -335,7 +340,8 @@ def router_paths(base_url: str) -> dict[str, float]:
 def router_means(before: dict | None, after: dict | None) -> dict[str, float]:
     """Mean ms per request over a run, from the router's histograms: the handoff measured where it
     happens (prefill response to first decode token), free of the prefill-time noise in a TTFT
-    difference, the router's own time, and each phase of the P/D requests (`phase_<name>_mean_ms`)."""
+    difference, the router's own time, each phase of the P/D requests (`phase_<name>_mean_ms`) and each
+    step of its path decisions (`plan_<step>_mean_ms`)."""
     if before is None or after is None:
         return {}
     out = {}
@@ -449,10 +455,11 @@ def _stat(m: dict[str, Any] | None, key: str, stat: str) -> float:
 
 
 def phase_means(m: dict[str, Any] | None) -> dict[str, float]:
-    """Mean ms of each router phase over a P/D run (NaN where the router timed none), and the overlapped
-    decode legs' wait for their prefill."""
+    """Mean ms of each router phase over a P/D run (NaN where the router timed none), the overlapped
+    decode legs' wait for their prefill, and the planning steps (PLAN_STEPS)."""
     router = (m or {}).get("router", {})
-    return {name: float(router.get(f"phase_{name}_mean_ms", math.nan)) for name in (*PHASES, "overlap_wait")}
+    means = {name: float(router.get(f"phase_{name}_mean_ms", math.nan)) for name in (*PHASES, "overlap_wait")}
+    return means | {name: float(router.get(f"plan_{name}_mean_ms", math.nan)) for name in PLAN_STEPS}
 
 
 def comparison(runs: list[Run], paired: bool = False) -> list[dict[str, Any]]:
@@ -709,6 +716,9 @@ def floor_and_phase_lines(row: dict[str, Any]) -> list[str]:
     lines.append("  where P/D TTFT goes (router's phases, mean ms): " + " ".join(f"{t:>12}" for t in modes.values()))
     for name, title in PHASES.items():
         lines.append(f"    {title:<30}{columns(lambda m: phases[m][name])}   {beside.get(name, '')}".rstrip())
+        if name == "before_first_call":
+            lines += [f"    {step_title:<30}{columns(lambda m: phases[m][step])}"
+                      for step, step_title in PLAN_STEPS.items()]
     lines.append(f"    {'sum: the router sees the token':<30}{columns(lambda m: sum(phases[m][n] for n in PHASES))}"
                  f"   colocated TTFT through the router {ttft['colocated']:.1f}")
     lines.append(f"    {'TTFT the client sees':<30}{columns(lambda m: ttft[m])}")

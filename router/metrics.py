@@ -61,6 +61,15 @@ class RouterMetrics:
             buckets=_BUCKETS,
             registry=r,
         )
+        self.plan = Histogram(
+            "pdserve_router_plan_seconds",
+            "Two steps of the router's path decision, part of its time before the first upstream call: "
+            "step=tokenize (the prompt's token ids: local tokenizer, a worker's /tokenize, or none needed) "
+            "and step=store_lookup (how much of the prompt the KV stores hold)",
+            ["step"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
         self.overlap_sends = Counter(
             "pdserve_router_overlap_sends",
             "When the decode legs of overlapped (pd_overlap) requests went out: at=start with the prefill leg "

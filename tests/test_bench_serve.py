@@ -25,7 +25,7 @@ from pdserve.bench import serve as bench_serve
 from pdserve.bench.engine_counters import load_phase_means
 from pdserve.bench.serve import (CACHED_FLOOR_LABEL, COLOCATED_LABELS, DECODE_DIRECT_LABEL, ENGINE_WARMUP_ROUNDS,
                                  FLOOR_LABELS, StackUp, warm_engines,
-                                 OVERLAP_AT, PHASES, PromptSource, RequestResult, Run, Target, add_readings, comparison, config_from_args,
+                                 OVERLAP_AT, PHASES, PLAN_STEPS, PromptSource, RequestResult, Run, Target, add_readings, comparison, config_from_args,
                                  floor_and_phase_lines, load_tokenizer, main, paired_differences, paired_schedule,
                                  path_counts, print_summary, ttft_by_path, TTFT_BY_PATH, router_means, router_sums, run_load, run_paired,
                                  summarize, warmups)
@@ -115,6 +115,9 @@ pdserve_router_phase_seconds_count{phase="prefill_leg"} 2.0
 pdserve_router_phase_seconds_sum{phase="prefill_leg"} 0.9
 pdserve_router_phase_seconds_count{phase="relay"} 2.0
 pdserve_router_phase_seconds_sum{phase="relay"} 0.004
+# TYPE pdserve_router_plan_seconds histogram
+pdserve_router_plan_seconds_count{step="tokenize"} 4.0
+pdserve_router_plan_seconds_sum{step="tokenize"} 0.006
 # TYPE pdserve_router_ttft_seconds histogram
 pdserve_router_ttft_seconds_sum{route="completions"} 7.0
 """
@@ -146,22 +149,24 @@ def test_path_counts_read_a_routers_paths_and_when_its_overlapped_decode_legs_we
 
 def test_router_sums_reads_each_phase_by_its_label() -> None:
     sums = router_sums(_PAGE)
-    assert sums == {"handoff": (0.5, 2.0), "phase_prefill_leg": (0.9, 2.0), "phase_relay": (0.004, 2.0)}
+    assert sums == {"handoff": (0.5, 2.0), "phase_prefill_leg": (0.9, 2.0), "phase_relay": (0.004, 2.0),
+                    "plan_tokenize": (0.006, 4.0)}
     before = {"phase_prefill_leg": (0.3, 1.0)}  # the relay phase had not been seen yet
     assert router_means(before, sums) == pytest.approx(
-        {"handoff_mean_ms": 250.0, "phase_prefill_leg_mean_ms": 600.0, "phase_relay_mean_ms": 2.0})
+        {"handoff_mean_ms": 250.0, "phase_prefill_leg_mean_ms": 600.0, "phase_relay_mean_ms": 2.0,
+         "plan_tokenize_mean_ms": 1.5})
 
 
 def _phase_run(label: str, ttft_ms: float, tpot_s: float, phases_ms: dict[str, float] | None = None) -> Run:
     metrics = summarize([_result(ttft_ms / 1000, ttft_ms / 1000 + 4 * tpot_s, 5)], 1.0, {})
     if phases_ms:
-        metrics["router"] = {f"phase_{k}_mean_ms": v for k, v in phases_ms.items()}
+        metrics["router"] = {f"{'plan' if k in PLAN_STEPS else 'phase'}_{k}_mean_ms": v for k, v in phases_ms.items()}
     return Run(label, "http://x", 1, metrics)
 
 
 def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connector() -> None:
     ov = {"before_first_call": 0.5, "prefill_leg": 110.0, "between_legs": 0.0, "decode_first_token": 19.0,
-          "relay": 0.1, "overlap_wait": 100.0}
+          "relay": 0.1, "overlap_wait": 100.0, "tokenize": 0.2, "store_lookup": 0.25}
     seq = {**ov, "between_legs": 0.4, "decode_first_token": 24.0}
     del seq["overlap_wait"]
     handed = {**seq, "between_legs": 0.3, "decode_first_token": 0.0}  # the default: the prefill's token first
@@ -192,6 +197,8 @@ def test_comparison_puts_the_handoff_beside_the_floor_and_tpot_beside_no_connect
     decode_line = next(line for line in lines if PHASES["decode_first_token"] in line)
     assert decode_line.split()[5:8] == ["0.00", "19.00", "24.00"] and "floor 12.0" in decode_line
     assert "in its cache 15.0 (p50)" in decode_line and "already holds (its own prefix cache, c=1): 15.0 ms" in text
+    lookup = next(line for line in lines if PLAN_STEPS["store_lookup"] in line)
+    assert lookup.split()[-3:] == ["0.25", "0.25", "0.25"]  # inside before_first_call, not added again below
     total = next(line for line in lines if "sum:" in line)
     assert total.split()[6:9] == ["110.90", "129.60", "135.00"]  # the phases, added up
     seen = next(line for line in lines if "TTFT the client sees" in line)

@@ -312,10 +312,13 @@ async def _plan(cfg: RouterConfig, est: QueueEstimate, prefill_backlog: int) -> 
         w.healthy = True
     prefill.workers["http://p"].inflight_tokens = prefill_backlog
     async with aiohttp.ClientSession() as http:
-        planner = PathPlanner(cfg, prefill, decode, PromptTokens(http, {}, None), StoreView(), LMCacheView(), est)
+        planner = PathPlanner(cfg, prefill, decode, PromptTokens(http, {}, None), StoreView(), LMCacheView(), est,
+                              metrics)
         call = Call(route="completions", raw=b"{}", body={"prompt": list(range(1000))}, request_id="r")
         path, ctx = await planner.plan(call)
     assert ctx.prompt_tokens == 1000
+    timed = metrics.exposition().decode()  # both steps of the decision, each once
+    assert all(f'pdserve_router_plan_seconds_count{{step="{step}"}} 1.0' in timed for step in ("tokenize", "store_lookup"))
     return path, call
 
 

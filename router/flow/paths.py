@@ -14,11 +14,13 @@ on that backend (lmcache_view.py), asked together.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.flow.call import Call
 from pdserve.router.lmcache_view import LMCacheView
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, RouteContext, Worker
 from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.store_view import StoreView
@@ -43,8 +45,9 @@ def _seconds(x: float | None) -> str:
 
 class PathPlanner:
     def __init__(self, cfg: RouterConfig, prefill: Pool, decode: Pool, tokens: PromptTokens, store: StoreView,
-                 lmcache: LMCacheView, queue: QueueEstimate) -> None:
+                 lmcache: LMCacheView, queue: QueueEstimate, metrics: RouterMetrics) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.prefill = prefill
         self.decode = decode
         self.queue = queue
@@ -63,14 +66,18 @@ class PathPlanner:
         prefill_workers = self.prefill.candidates(call.model)
         if not prefill_workers:
             return "decode_only_no_prefill", ctx
+        t = time.perf_counter()
         ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
+        self._timed("tokenize", t)
         if ids is not None:
             ctx.prompt_tokens = len(ids)
             call.prompt_ids = ids
         if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
             return "decode_only_short", ctx
         if ids is not None:
+            t = time.perf_counter()
             ctx.prefix_tokens = await self._prefix_tokens(ids, call.body.get("cache_salt"), prefill_workers)
+            self._timed("store_lookup", t)
             if ctx.prefix_tokens and max(ctx.prefix_tokens.values()) >= self.cfg.pd_max_cached_fraction * len(ids):
                 return "decode_only_cached", ctx
         if self.cfg.pd_queue_aware:
@@ -82,6 +89,11 @@ class PathPlanner:
                 call.recompute = self.queue.start_recompute(ctx.prompt_tokens)
                 return "decode_only_prefill_queue", ctx
         return "pd", ctx
+
+    def _timed(self, step: str, t_start: float) -> None:
+        """A step of the decision in `pdserve_router_plan_seconds`: the parts of the router's time before
+        its first call that can grow with the prompt or wait on another process."""
+        self.metrics.series(self.metrics.plan, step).observe(time.perf_counter() - t_start)
 
     async def _prefix_tokens(self, ids: list[int], salt: Any, workers: list[Worker]) -> dict[str, int]:
         """Prompt tokens already stored, per KV backend URL, from every backend that can tell."""

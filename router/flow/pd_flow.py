@@ -94,7 +94,7 @@ class PDFlow:
         self.metrics = metrics
         self.queue = queue
         self.lmcache = LMCacheView()
-        self.paths = PathPlanner(cfg, prefill, decode, tokens, store, self.lmcache, queue)
+        self.paths = PathPlanner(cfg, prefill, decode, tokens, store, self.lmcache, queue, metrics)
         self.prefill_leg = PrefillLeg(cfg, prefill, prefill_policy, http, headers, store, metrics, queue.prefill)
         self.decode_legs = DecodeLegs(cfg, decode, decode_policy, http, headers, metrics, queue.decode_ingest)
         metrics.overlap_timing.labels("prefill_per_token").set_function(lambda: queue.prefill.recent.value or 0.0)
