@@ -481,6 +481,7 @@ def comparison(runs: list[Run], paired: bool = False) -> list[dict[str, Any]]:
         pd_ttft = _stat(pd, "ttft_ms", "p50")
         seq = by.get(("pd-sequential", conc))
         ov = by.get(("pd-overlapped", conc))
+        modes = {"pd": pd, "overlap": ov, "sequential": seq}  # the P/D flows compared phase by phase
         floor_p50 = _stat(pd_floor, "ttft_ms", "p50")
         coloc_tpot = coloc["tpot_ms"]["p50"]
         rows.append({
@@ -520,9 +521,8 @@ def comparison(runs: list[Run], paired: bool = False) -> list[dict[str, Any]]:
             "ttft_mean_ms": {"pd": _stat(pd, "ttft_ms", "mean"), "overlap": _stat(ov, "ttft_ms", "mean"),
                              "sequential": _stat(seq, "ttft_ms", "mean"),
                              "colocated": coloc["ttft_ms"]["mean"], "direct": direct["ttft_ms"]["mean"]},
-            "phases": {mode: phase_means(m) for mode, m in (("pd", pd), ("overlap", ov), ("sequential", seq))},
-            "decode_engine": {mode: (m or {}).get("decode_engine", {})
-                              for mode, m in (("pd", pd), ("overlap", ov), ("sequential", seq))},
+            "phases": {mode: phase_means(m) for mode, m in modes.items()},
+            "decode_engine": {mode: (m or {}).get("decode_engine", {}) for mode, m in modes.items()},
             "backends": backend_rows(by, conc, coloc_ttft),
         })
         if paired and conc == 1:
