@@ -35,7 +35,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.flow.call import Call, ClientWatch
 from pdserve.router.flow.pd_flow import PDFlow
 from pdserve.router.policies import make_policy
-from pdserve.router.pool import Pool
+from pdserve.router.pool import Pool, Worker
 from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.queue_view import QueueView
 from pdserve.router.requests import PATHS, RequestHead, Route, read_body, validate
@@ -84,7 +84,9 @@ class Router:
     async def start(self) -> None:
         """Build the parts that need the event loop (the HTTP session), then find the workers."""
         self.http = new_session()
-        self.health = HealthChecker((self.prefill, self.decode), self.http, self.worker_headers, self.cfg.health_interval)
+        self.legs_http = WorkerHTTP()  # the legs' own client: see worker_http.py
+        self.health = HealthChecker((self.prefill, self.decode), self.http, self.worker_headers, self.cfg.health_interval,
+                                    on_dead=self._end_legs_on)
         for pool in (self.prefill, self.decode):
             pool.recheck = lambda w, pool=pool: self.health.check_soon(pool, [w])[0]
         self.tokens = PromptTokens(self.http, self.worker_headers, self.cfg.tokenizer)
@@ -96,7 +98,6 @@ class Router:
         self.queue = QueueEstimate(self.queue_view)
         self.metrics.follow_token_cost("prefill", lambda: self.queue.prefill.per_token)
         self.metrics.follow_token_cost("decode", lambda: self.queue.recompute.per_token)
-        self.legs_http = WorkerHTTP()  # the legs' own client: see worker_http.py
         self.flow = PDFlow(
             self.cfg, self.prefill, self.decode, make_policy(self.cfg.prefill_policy),
             make_policy(self.cfg.decode_policy), self.legs_http, self.tokens, self.store, self.metrics, self.worker_headers,
@@ -112,6 +113,12 @@ class Router:
             for card in self.decode.model_cards() + self.prefill.model_cards():
                 self.tokens.prepare(str(card.get("id")))
         log.info("router ready: %d prefill, %d decode workers", len(self.prefill.workers), len(self.decode.workers))
+
+    def _end_legs_on(self, w: Worker, why: str) -> None:
+        """A health check found `w` dead: end the legs still open on it (worker_http.py `cut`), which
+        retries them elsewhere or ends their streams with an error event."""
+        if cut := self.legs_http.cut(w.url, f"{w.role} worker {w.url} is dead ({why})"):
+            log.warning("%s worker %s is dead (%s); ended %d request(s) open on it", w.role, w.id, why, cut)
 
     async def stop(self) -> None:
         if self.watcher is not None:

@@ -4,13 +4,23 @@ Passive signals (a refused connection, a 5xx) take a worker out quickly; only an
 active check puts it back, so a worker returns after it really answers again. The
 first passing check also fetches the worker's /v1/models, which is how the router
 learns what a statically configured worker serves.
+
+A check that finds a worker dead, not merely slow or busy (nothing listens on its port any
+more), also ends what the router has open on it (`on_dead`): a server half-way through shutting
+down stops listening first and can then hold a stream open without sending another byte (uvicorn
+waits for open requests with no limit), and its client would wait until the decode timeout
+(minutes). A
+check that times out, is reset, or gets a non-200 (an overloaded proxy in front of a worker may
+answer 503 while its streams are fine) takes the worker out of rotation but leaves its
+requests running.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 import aiohttp
 import msgspec
@@ -20,12 +30,16 @@ from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
 
 log = logging.getLogger("pdserve.router.health")
 
+OnDead = Callable[[Worker, str], None]  # (the worker, why it is dead)
+
 
 class HealthChecker:
     def __init__(
-        self, pools: Sequence[Pool], http: aiohttp.ClientSession, headers: dict[str, str], interval: float
+        self, pools: Sequence[Pool], http: aiohttp.ClientSession, headers: dict[str, str], interval: float,
+        on_dead: OnDead | None = None,
     ) -> None:
         self.pools = pools
+        self.on_dead = on_dead
         self.http = http
         self.headers = headers
         self.interval = interval
@@ -33,25 +47,29 @@ class HealthChecker:
         self._task: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
 
-    async def _probe(self, w: Worker) -> bool:
+    async def _probe(self, w: Worker) -> tuple[bool, str]:
+        """(up, why it is dead): the reason is empty unless nothing listens on the worker's port."""
         try:
             async with self.http.get(w.url + "/health", headers=self.headers, timeout=self.timeout) as resp:
                 if resp.status != 200:
-                    return False
+                    return False, ""
             if w.model_cards is None:
                 async with self.http.get(w.url + "/v1/models", headers=self.headers, timeout=self.timeout) as models:
                     if models.status == 200:
                         w.model_cards = list(msgspec.json.decode(await models.read()).get("data") or [])
-            return True
+            return True, ""
         except SIDE_REQUEST_ERRORS as exc:
+            refused = isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno == errno.ECONNREFUSED
             log.debug("health check of %s failed: %s", w.url, describe(exc))
-            return False
+            return False, f"/health: {describe(exc)}" if refused else ""
 
     async def check(self, pool: Pool, w: Worker) -> bool:
         """Check `w` and apply the result; True when it answered (a caller may act on a worker found down)."""
-        ok = await self._probe(w)
+        ok, dead = await self._probe(w)
         if pool.workers.get(w.id) is w:  # it may have left while we waited
             pool.set_health(w, ok)
+        if dead and self.on_dead is not None:  # also when it left: what is open on it still waits
+            self.on_dead(w, dead)
         return ok
 
     async def check_all(self) -> None:

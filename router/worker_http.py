@@ -23,7 +23,9 @@ to its end puts its connection back; one closed before its end closes the connec
 makes vLLM abort the request (as closing an aiohttp response did). A connection idle for
 KEEPALIVE_S is not reused, so the router never sends on one that the worker's keep-alive timer
 (uvicorn's default, vLLM's too: 5 s) is closing; one the worker closed leaves the list when
-the loop sees it close.
+the loop sees it close. `cut` ends every response open on a worker that a health check found
+dead: a worker whose engine died can keep its connections open without a byte more (vLLM's API
+server, shutting down after its engine core was killed, waits for its streams to end).
 """
 
 from __future__ import annotations
@@ -155,6 +157,13 @@ class WorkerResponse:
         self._conn = None
         self._stop_timer()
         self._wake()
+
+    def _cut(self, reason: str) -> None:
+        """The worker is gone while this response is open: fail it as a connection the worker dropped."""
+        if self._headed.done():
+            self._fail(aiohttp.ClientPayloadError(f"Response payload is not completed: {reason}"))
+        else:
+            self._fail(aiohttp.ServerDisconnectedError(reason))
 
     def _on_lost(self, exc: BaseException | None) -> None:
         if not self._headed.done():
@@ -344,6 +353,7 @@ class WorkerHTTP:
 
     def __init__(self) -> None:
         self._pools: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._open: dict[tuple[str, int, bool], set[_Connection]] = {}  # every live connection, idle or busy
         self._targets: dict[str, _Target] = {}
         self._tls: ssl.SSLContext | None = None
 
@@ -402,6 +412,8 @@ class WorkerHTTP:
             raise aiohttp.ClientOSError(
                 exc.errno, f"Cannot connect to {target.host}:{target.port}: {exc.strerror or exc}"
             ) from exc
+        if not conn.lost:
+            self._open.setdefault(key, set()).add(conn)
         return conn
 
     def _put_back(self, conn: _Connection) -> None:
@@ -412,6 +424,29 @@ class WorkerHTTP:
         idle = self._pools.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+        live = self._open.get(conn.key)
+        if live is not None:
+            live.discard(conn)
+            if not live:
+                del self._open[conn.key]
+
+    def cut(self, url: str, reason: str) -> int:
+        """End every response open on the worker at `url` (its base URL) with a hard failure and drop its
+        connections, idle ones too; returns how many responses were open. For a worker found dead: what
+        reads from it then fails as if the worker had closed the connection (retried before a stream's
+        first token, an error event after it), and the worker's server, if any of it is left, sees
+        its clients leave and aborts their requests."""
+        parts = urlsplit(url)
+        tls = parts.scheme == "https"
+        key = (parts.hostname or "", parts.port or (443 if tls else 80), tls)
+        cut = 0
+        for conn in list(self._open.get(key, ())):
+            response = conn.response
+            if response is not None:
+                response._cut(reason)
+                cut += 1
+            conn.close()
+        return cut
 
     async def close(self) -> None:
         """Close the idle connections (a response still being read closes its own)."""

@@ -228,3 +228,36 @@ async def test_connections_the_worker_ends_are_not_reused(served) -> None:  # ty
         assert await resp.read() == b"all of it"  # no length: the body ends with the connection
     assert await (await http.post(base + "/unary", data=b"x", headers=HEADERS, timeout=T)).read() == b"x"
     assert scripted.connections == 3
+
+
+async def test_cut_fails_what_is_open_on_one_worker_and_leaves_other_workers_alone(served) -> None:  # type: ignore[no-untyped-def]
+    scripted, base, http = served
+    other = Scripted()
+    server = await asyncio.get_running_loop().create_server(lambda: _ServerConn(other), "127.0.0.1", 0)
+    other_base = "http://127.0.0.1:%d" % server.sockets[0].getsockname()[1]
+    try:
+        streaming = await http.post(base + "/stream", data=b"{}", headers=HEADERS, timeout=T)
+        pieces = streaming.content.iter_any()
+        assert await pieces.__anext__() == b"data: 1\n\n"
+        before_head = asyncio.ensure_future(http.post(base + "/never", data=b"{}", headers=HEADERS, timeout=T))
+        while len(scripted.bodies) < 2:
+            await asyncio.sleep(0.01)
+        await (await http.post(base + "/unary", data=b"x", headers=HEADERS, timeout=T)).read()  # a third, now idle
+        elsewhere = await http.post(other_base + "/stream", data=b"{}", headers=HEADERS, timeout=T)
+        # A worker whose engine died keeps its connections open without a byte more: the health check cuts them.
+        assert http.cut(base, "decode worker is dead") == 2
+        with pytest.raises(aiohttp.ClientPayloadError) as mid_body:
+            await pieces.__anext__()
+        with pytest.raises(aiohttp.ServerDisconnectedError) as no_head:
+            await before_head
+        assert is_hard_failure(mid_body.value) and is_hard_failure(no_head.value)  # retried elsewhere, not slow
+        assert "dead" in str(mid_body.value) and "dead" in str(no_head.value)
+        assert sorted([await scripted.hung_up.get(), await scripted.hung_up.get()]) == ["/never", "/stream"]
+        # The idle connection went too: the next request connects anew.
+        assert await (await http.post(base + "/unary", data=b"y", headers=HEADERS, timeout=T)).read() == b"y"
+        assert scripted.connections == 4
+        other.release.set()  # the other worker's stream was not touched
+        assert await elsewhere.read() == b"data: 1\n\ndata: 2\n\n"
+        assert http.cut(other_base, "nothing open") == 0
+    finally:
+        server.close()
