@@ -272,6 +272,14 @@ class FaultStack:
         os.kill(core, signal.SIGKILL)
         return core
 
+    def kill_worker(self, worker: str) -> int:
+        """kill -9 of a worker's own process group (the `pdserve decode`/`prefill` process, not the vLLM it
+        runs: that is in a session of its own and gets SIGTERM from the kernel as its parent dies); the
+        stack restarts the worker, which starts a fresh vLLM on the same port."""
+        pid = self.component(worker).popen.pid
+        os.killpg(pid, signal.SIGKILL)
+        return pid
+
     def kill_store(self) -> int:
         """kill -9 of the KV store (the stack restarts it in place); its shared-memory arena is removed here,
         as a crashed store cannot unlink it."""

@@ -3,8 +3,8 @@
 One stack (bench/fault_stack.py: store, 1 prefill + 2 decode workers through Redis,
 router) serves a small concurrent load (a few client streams of mixed short and long
 prompts, chat and completions, streamed and not) while each scenario in turn does one
-thing to it: kill -9 of a prefill engine, of a decode engine, of the KV store, of
-Redis; clients that hang up mid-stream; bad inputs. For every request a scenario
+thing to it: kill -9 of a prefill engine, of a decode engine, of a decode worker's
+own process (its vLLM then shuts down on its own), of the KV store, of Redis; clients that hang up mid-stream; bad inputs. For every request a scenario
 saw, the outcome is one of: a full answer; a clean OpenAI error (status >= 400 with a
 JSON `error` body, or an error event ending a stream); a hang (nothing within HANG_S);
 a 5xx without a JSON body; broken (cut stream, short answer, transport error); or an
@@ -195,10 +195,11 @@ def wait_until(cond: Callable[[], bool], timeout: float, poll_s: float = 1.0) ->
 # ---------------------------------------------------------------- faults: each returns its own requests' outcomes
 
 
-def kill_engine(worker: str) -> Callable[[FaultStack], list[Outcome]]:
+def killing(worker: str, kill: Callable[[FaultStack, str], int]) -> Callable[[FaultStack], list[Outcome]]:
+    """A fault that kills part of `worker` (FaultStack.kill_engine, kill_worker) and waits for its new vLLM."""
     def fault(fs: FaultStack) -> list[Outcome]:
         old = fs.vllm_server(worker)
-        fs.kill_engine(worker)
+        kill(fs, worker)
         wait_until(lambda: fs.vllm_server(worker) not in (None, old), RECOVERY_S)
         return []
 
@@ -288,8 +289,9 @@ SCENARIOS: tuple[tuple[str, Callable[[FaultStack], list[Outcome]]], ...] = (
     ("client aborts", client_aborts),
     ("kill -9 redis", kill_redis),
     ("kill -9 kvstore", kill_store),
-    ("kill -9 decode engine", kill_engine("decode-1")),
-    ("kill -9 prefill engine", kill_engine("prefill-0")),
+    ("kill -9 decode engine", killing("decode-1", FaultStack.kill_engine)),
+    ("kill -9 prefill engine", killing("prefill-0", FaultStack.kill_engine)),
+    ("kill -9 decode worker", killing("decode-0", FaultStack.kill_worker)),
 )
 
 

@@ -7,7 +7,8 @@ workers on the tiny DeepSeek-V3 discovered through this test's own redis-server
 mixed short/long, chat/completions, streamed/not: no fault, bad inputs (malformed
 structured_outputs, huge top_k, streamed and not, JSON nested 5000 deep, a body that
 stops half-way), client aborts mid-stream, kill -9 of Redis, of the KV store, of a
-decode engine and of a prefill engine. Each scenario's row is asserted on: no hang,
+decode engine, of a prefill engine and of a decode worker's own process (its vLLM then
+shuts down on its own). Each scenario's row is asserted on: no hang,
 no 5xx without a JSON body, no live tail after the TTL and no request left in any
 engine, and recovered (every part back, restarted ones included, and a normal request
 answered in full). Where nothing was killed, every answer is full or the expected error.
