@@ -43,6 +43,10 @@ class RouterConfig:
     # P/D TTFT p50 4.6-5.2 ms over colocated at c=1 against 21.7-25.8 overlapped; lower than the
     # overlapped flow's at c=4 and c=8 in every run)
     pd_first_token: bool = True
+    # send the prefill leg before the router has counted the prompt's tokens, when its body is sure to be long
+    # enough; the count and the store lookup run beside the leg, and a verdict of decode-only (the prompt is
+    # short after all, or stored) cancels the leg (paths.py)
+    pd_early_prefill: bool = True
     pd_queue_aware: bool = True  # decode-only when the prefill queue would delay a prompt more than recomputing it
     pd_queue_poll_interval: float = 0.5  # seconds between scrapes of each worker's /metrics (its queue)
     api_key: str | None = None
@@ -115,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "time moves to the second token; streamed completions without logprobs, stop strings, "
                         "penalties, seeds or structured output only, the rest as without it; "
                         "--no-pd-first-token sends them the way --pd-overlap says, as the rest")
+    p.add_argument("--pd-early-prefill", action=argparse.BooleanOptionalAction,
+                   default=d["pd_early_prefill"].default,
+                   help="send the prefill leg while the router counts a long prompt's tokens and asks the store "
+                        "for it; a decode-only verdict cancels the leg")
     p.add_argument("--pd-queue-aware", action=argparse.BooleanOptionalAction, default=d["pd_queue_aware"].default,
                    help="send a prompt decode-only when the prefill workers' queue would delay it more than "
                         "recomputing it on a decode worker costs (both measured from finished requests)")
@@ -166,6 +174,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             pd_overlap=a.pd_overlap,
             pd_overlap_send=a.pd_overlap_send,
             pd_first_token=a.pd_first_token,
+            pd_early_prefill=a.pd_early_prefill,
             pd_queue_aware=a.pd_queue_aware,
             pd_queue_poll_interval=a.pd_queue_poll_interval,
             api_key=a.api_key,

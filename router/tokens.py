@@ -137,6 +137,14 @@ def _load(path: str) -> Encoders:
     return Encoders(AutoTokenizer.from_pretrained(path))
 
 
+def given_ids(route: Route, body: dict[str, Any]) -> list[int] | None:
+    """A completion's prompt given as token ids: counted without a tokenizer."""
+    prompt = body.get("prompt")
+    if route == "completions" and isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
 class PromptTokens:
     def __init__(self, http: aiohttp.ClientSession, headers: dict[str, str], tokenizer_path: str | None) -> None:
         self.http = http
@@ -197,9 +205,8 @@ class PromptTokens:
         """The prompt's token ids, or None when neither the local tokenizer nor the worker can say.
         A tokenized prompt whose request body had `body_size` bytes teaches `estimate` (token-id prompts,
         which need no tokenizer, do not: their bytes per token say nothing of a text prompt's)."""
-        prompt = body.get("prompt")
-        if route == "completions" and isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            return prompt
+        if (given := given_ids(route, body)) is not None:
+            return given
         ids = await self._tokenize(route, body, worker_url)
         if ids is not None:
             self.learn(body_size, len(ids))

@@ -40,9 +40,14 @@ def test_anything_a_handed_token_could_change_keeps_the_default_flow(extra: dict
     assert not first_token.eligible(_call({**BASE, **extra}))
 
 
-def test_chat_and_uncounted_prompts_keep_the_default_flow() -> None:
+def test_chat_and_anything_but_one_prompt_keep_the_default_flow() -> None:
     assert not first_token.eligible(_call({**BASE, "messages": []}, route="chat"))
-    assert not first_token.eligible(_call(BASE, ids=None))
+    for prompt in (["a", "b"], [], [[1, 2], [3]], 7, None, [1, "a"]):
+        assert not first_token.eligible(_call({**BASE, "prompt": prompt}, ids=None)), prompt
+    # A prompt the router has not counted yet (an early prefill leg: paths.py) takes it: the decode leg gets the
+    # prompt's ids from the prefill's answer.
+    for prompt in ("hello there", ["hello there"], [1, 2, 3]):
+        assert first_token.eligible(_call({**BASE, "prompt": prompt}, ids=None)), prompt
 
 
 def _prefill(finish: str | None = "length", ids: Any = (42,), text: Any = " hi") -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The prefill leg carries the prompt as the router's token ids (router/flow/prefill_leg.py), fast tier.
 
-An in-process router with a local tokenizer over stub workers that record what they get: a
-text completion's prefill leg goes as the ids the router counted (the prefill engine does not
+An in-process router with a local tokenizer over stub workers that record what they get, with
+`--no-pd-early-prefill` (tests/test_router_early_prefill.py has the default, where the prefill leg
+goes before the count): a text completion's prefill leg goes as the ids the router counted (the prefill engine does not
 tokenize it again), its decode leg as the client's text (the decode engine renders it itself,
 which is what keeps a router tokenizer unlike the engine's from giving wrong tokens), and a
 chat request's prefill leg keeps its messages.
@@ -49,7 +50,8 @@ async def test_prefill_leg_gets_the_routers_ids_and_decode_leg_the_text(tiny_dee
     decode_app = worker_app(healthy, serves_stub, rec.on_decode, {"/v1/chat/completions": rec.on_decode})
     async with listening(prefill_app, decode_app) as (prefill, decode):
         cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), tokenizer=str(tiny_deepseek_v3),
-                           pd_min_prompt_tokens=0, pd_queue_aware=False, pd_overlap=False, health_interval=600.0)
+                           pd_min_prompt_tokens=0, pd_queue_aware=False, pd_overlap=False, health_interval=600.0,
+                           pd_early_prefill=False)
         app = create_app(cfg)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:

@@ -323,7 +323,7 @@ async def _plan(cfg: RouterConfig, est: QueueEstimate, prefill_backlog: int) -> 
 
 
 async def test_planner_goes_decode_only_when_the_queue_outwaits_a_recompute() -> None:
-    cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=0)
+    cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=0, pd_early_prefill=False)
     path, call = await _plan(cfg, _estimate(), prefill_backlog=0)
     assert (path, call.recompute) == ("pd", None)
     path, call = await _plan(cfg, _estimate(), prefill_backlog=1000)  # waits as long as a recompute takes

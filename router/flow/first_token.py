@@ -49,7 +49,7 @@ _USAGE_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 def eligible(call: Call) -> bool:
     """Whether the prefill's token may open this request's stream (see the module's docstring)."""
     body = call.body
-    if call.route != "completions" or body.get("stream") is not True or call.prompt_ids is None:
+    if call.route != "completions" or body.get("stream") is not True or not _one_prompt(body.get("prompt")):
         return False
     max_tokens = body.get("max_tokens")
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 2):
@@ -60,6 +60,13 @@ def eligible(call: Call) -> bool:
         return False
     return all(k in _FREE or k == "stream_options" or (k in _NEUTRAL and _is_neutral(body[k], _NEUTRAL[k]))
                for k in body)
+
+
+def _one_prompt(prompt: Any) -> bool:
+    """A single prompt, as text or token ids (a batch of prompts never comes here: paths.py)."""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt))
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

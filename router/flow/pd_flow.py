@@ -127,6 +127,39 @@ class PDFlow:
 
     async def _serve(self, call: Call) -> Response:
         path, ctx = await self.paths.plan(call)
+        verdict, call.verdict = call.verdict, None
+        if verdict is None:
+            return await self._serve_path(call, path, ctx)
+        return await self._serve_early(call, ctx, verdict)
+
+    async def _serve_early(self, call: Call, ctx: RouteContext, verdict: asyncio.Future[str | None]) -> Response:
+        """P/D with the prompt's count and store lookup still running (paths.py `_early`): a decode-only verdict
+        that comes before a response cancels the P/D flow (its legs clean up as for a client that left) and
+        serves decode-only; one that comes later changes nothing (the prefill is done by then)."""
+        serving = asyncio.ensure_future(self._serve_path(call, "pd", ctx))
+        try:
+            await asyncio.wait((serving, verdict), return_when=asyncio.FIRST_COMPLETED)
+            path = verdict.result() if verdict.done() and not serving.done() else None
+            if path is None:
+                return await serving
+            serving.cancel()
+            await asyncio.wait((serving,))
+            if not serving.cancelled():  # it ended while the cancel was on its way
+                return serving.result()
+            if call.kv_params:  # the prefill had answered: its tail goes now, not at the request's end
+                self._spawn(self.store.drop_tail(call.kv_params))
+                call.kv_params = None
+            if call.producer_watch is not None:  # an overlapped leg's producer: nothing waits on it any more
+                call.producer_watch.stop()
+                call.producer_watch = None
+            log.debug("request %s: %s after its prefill leg went out; cancelled it", call.request_id, path)
+            self._count_path(call, path)
+            return await self._respond(call, await self.decode_legs.open(call, call.raw, ctx, set(), None))
+        finally:
+            verdict.cancel()
+            serving.cancel()
+
+    async def _serve_path(self, call: Call, path: str, ctx: RouteContext) -> Response:
         if path == "pd" and self.cfg.pd_first_token and first_token.eligible(call):
             return await self._serve_first_token(call, ctx)
         if path == "pd" and self.cfg.pd_overlap:
@@ -164,7 +197,8 @@ class PDFlow:
         sent the prompt plus that token, has answered its headers. When the prefill did not hand
         one, the decode leg goes out as with --no-pd-overlap (sent the prompt, its own token first)."""
         data = await self.prefill_leg.run(call, ctx)
-        handed = first_token.handed_token(data) if data is not None else None
+        # (the prompt's ids come from the prefill's answer, or the router's count: the decode leg is sent them)
+        handed = first_token.handed_token(data) if data is not None and (prompt_ids(data) or call.prompt_ids) else None
         if data is None or handed is None:
             path, payload, t_prefill_done = await self._after_prefill(call, data)
             self._count_path(call, path)

@@ -1,0 +1,98 @@
+"""The prefill leg before the router's count of the prompt (`--pd-early-prefill`, router/flow/paths.py), fast tier.
+
+An in-process router over stub workers, with no local tokenizer: the router counts a prompt with the
+prefill worker's /tokenize, which the stub answers only once the prefill leg has reached it, so the
+order is the test's to see. A body long enough goes P/D at once: its prefill leg carries the client's
+text (the prefill engine counts it), while the router counts the prompt and asks the store beside it. When that count finds the prompt short after all (a body made
+long by another field), the verdict cancels the prefill leg, which the prefill worker sees as a hang-up
+(vLLM aborts the request), and the request is served decode-only, counted as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import msgspec
+from aiohttp import web
+
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from worker_stubs import healthy, listening, serves_stub, worker_app
+
+LONG = "The quick brown fox jumps over the lazy dog " * 40  # about 400 tokens, 1.8 kB
+
+
+class Workers:
+    """A prefill stub that answers, or (hold) keeps the leg waiting until the router hangs up; its /tokenize,
+    which answers `tokens` ids once the prefill leg has arrived; a decode stub."""
+
+    def __init__(self, hold: bool, tokens: int) -> None:
+        self.hold = hold
+        self.tokens = tokens
+        self.prefill: list[dict[str, Any]] = []
+        self.prefill_came = asyncio.Event()
+        self.counted_after_prefill: bool | None = None
+        self.hung_up = asyncio.Event()
+        self.decode: list[dict[str, Any]] = []
+
+    async def on_tokenize(self, _r: web.Request) -> web.Response:
+        try:
+            await asyncio.wait_for(self.prefill_came.wait(), 10)
+        except TimeoutError:
+            pass
+        self.counted_after_prefill = self.prefill_came.is_set()
+        return web.json_response({"tokens": list(range(self.tokens))})
+
+    async def on_prefill(self, r: web.Request) -> web.Response:
+        self.prefill.append(msgspec.json.decode(await r.read()))
+        self.prefill_came.set()
+        if self.hold:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:  # the connection closed (worker_stubs: handler_cancellation)
+                self.hung_up.set()
+                raise
+        return web.json_response({"choices": [{"index": 0, "text": "p", "finish_reason": "length"}]})
+
+    async def on_decode(self, r: web.Request) -> web.Response:
+        self.decode.append(msgspec.json.decode(await r.read()))
+        return web.json_response({"choices": [{"index": 0, "text": "d", "finish_reason": "length"}]})
+
+
+async def _serve(workers: Workers, body: dict[str, Any]) -> tuple[httpx.Response, str]:
+    """The client's response and the router's metrics."""
+    prefill_app = worker_app(healthy, serves_stub, workers.on_prefill, {"/tokenize": workers.on_tokenize})
+    async with listening(prefill_app, worker_app(healthy, serves_stub, workers.on_decode)) as (prefill, decode):
+        cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), pd_min_prompt_tokens=64,
+                           pd_queue_aware=False, health_interval=600.0)
+        app = create_app(cfg)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+                r = await client.post("/v1/completions", json=body, timeout=30)
+                return r, (await client.get("/metrics")).text
+
+
+async def test_a_long_prompt_goes_out_as_text_before_the_router_has_counted_it() -> None:
+    workers = Workers(hold=False, tokens=400)
+    r, metrics = await _serve(workers, {"model": "stub", "prompt": LONG, "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "d", r.text
+    assert workers.counted_after_prefill  # the router's count was not waited for ...
+    assert workers.prefill[0]["prompt"] == LONG  # ... so the prefill engine counts the prompt itself
+    assert workers.prefill[0]["max_tokens"] == 1 and len(workers.decode) == 1
+    assert 'pdserve_router_paths_total{path="pd"} 1.0' in metrics
+    assert 'pdserve_router_plan_seconds_count{step="tokenize"} 1.0' in metrics  # counted beside the leg
+
+
+async def test_a_prompt_found_short_after_its_prefill_leg_went_out_cancels_the_leg() -> None:
+    workers = Workers(hold=True, tokens=8)
+    # 8 tokens of prompt in a body made long by another field: the body's size says P/D, the count says short
+    body = {"model": "stub", "prompt": "a short prompt of a few words", "max_tokens": 2, "user": "u" * 2000}
+    r, metrics = await _serve(workers, body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "d", r.text
+    assert len(workers.prefill) == 1 and workers.counted_after_prefill  # it went out early ...
+    await asyncio.wait_for(workers.hung_up.wait(), 10)  # ... and was hung up on: vLLM aborts it
+    assert workers.decode[0]["prompt"] == body["prompt"] and "kv_transfer_params" not in workers.decode[0]
+    assert 'pdserve_router_paths_total{path="decode_only_short"} 1.0' in metrics
+    assert 'path="pd"' not in metrics.split("pdserve_router_paths_total", 1)[1].split("# HELP", 1)[0]
