@@ -5,7 +5,8 @@ prefill worker's /tokenize, which the stub answers only once the prefill leg has
 order is the test's to see. A body long enough goes P/D at once: its prefill leg carries the client's
 text (the prefill engine counts it), while the router counts the prompt and asks the store beside it. When that count finds the prompt short after all (a body made
 long by another field), the verdict cancels the prefill leg, which the prefill worker sees as a hang-up
-(vLLM aborts the request), and the request is served decode-only, counted as such.
+(vLLM aborts the request), and the request is served decode-only, counted as such; a verdict that comes
+after the prefill has answered changes nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Workers:
     """A prefill stub that answers, or (hold) keeps the leg waiting until the router hangs up; its /tokenize,
     which answers `tokens` ids once the prefill leg has arrived; a decode stub."""
 
-    def __init__(self, hold: bool, tokens: int) -> None:
+    def __init__(self, hold: bool, tokens: int, count_after_decode: bool = False) -> None:
         self.hold = hold
         self.tokens = tokens
         self.prefill: list[dict[str, Any]] = []
@@ -36,13 +37,18 @@ class Workers:
         self.counted_after_prefill: bool | None = None
         self.hung_up = asyncio.Event()
         self.decode: list[dict[str, Any]] = []
+        self.decode_came = asyncio.Event()
+        self.counted = asyncio.Event()
+        self.count_after_decode = count_after_decode  # the count comes only once the decode leg is out, and that
+        # leg answers only after the count
 
     async def on_tokenize(self, _r: web.Request) -> web.Response:
         try:
-            await asyncio.wait_for(self.prefill_came.wait(), 10)
+            await asyncio.wait_for((self.decode_came if self.count_after_decode else self.prefill_came).wait(), 10)
         except TimeoutError:
             pass
         self.counted_after_prefill = self.prefill_came.is_set()
+        self.counted.set()
         return web.json_response({"tokens": list(range(self.tokens))})
 
     async def on_prefill(self, r: web.Request) -> web.Response:
@@ -58,15 +64,19 @@ class Workers:
 
     async def on_decode(self, r: web.Request) -> web.Response:
         self.decode.append(msgspec.json.decode(await r.read()))
+        self.decode_came.set()
+        if self.count_after_decode:
+            await asyncio.wait_for(self.counted.wait(), 10)
+            await asyncio.sleep(0.2)  # the router has the verdict before this leg answers
         return web.json_response({"choices": [{"index": 0, "text": "d", "finish_reason": "length"}]})
 
 
-async def _serve(workers: Workers, body: dict[str, Any]) -> tuple[httpx.Response, str]:
-    """The client's response and the router's metrics."""
+async def _serve(workers: Workers, body: dict[str, Any], **cfg: Any) -> tuple[httpx.Response, str]:
+    """The client's response and the router's metrics (`cfg`: RouterConfig fields besides the test's)."""
     prefill_app = worker_app(healthy, serves_stub, workers.on_prefill, {"/tokenize": workers.on_tokenize})
     async with listening(prefill_app, worker_app(healthy, serves_stub, workers.on_decode)) as (prefill, decode):
         cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), pd_min_prompt_tokens=64,
-                           pd_queue_aware=False, health_interval=600.0)
+                           pd_queue_aware=False, health_interval=600.0, **cfg)
         app = create_app(cfg)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
@@ -96,3 +106,14 @@ async def test_a_prompt_found_short_after_its_prefill_leg_went_out_cancels_the_l
     assert workers.decode[0]["prompt"] == body["prompt"] and "kv_transfer_params" not in workers.decode[0]
     assert 'pdserve_router_paths_total{path="decode_only_short"} 1.0' in metrics
     assert 'path="pd"' not in metrics.split("pdserve_router_paths_total", 1)[1].split("# HELP", 1)[0]
+
+
+async def test_a_verdict_that_comes_after_the_prefill_answered_changes_nothing() -> None:
+    """A count that late may have seen the chunks this prefill stored; the prefill's work is done anyway."""
+    workers = Workers(hold=False, tokens=8, count_after_decode=True)
+    body = {"model": "stub", "prompt": "a short prompt of a few words", "max_tokens": 2, "user": "u" * 2000}
+    r, metrics = await _serve(workers, body, pd_overlap=False)  # legs in sequence: the decode leg follows the answer
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "d", r.text
+    assert workers.counted.is_set() and not workers.hung_up.is_set()
+    assert len(workers.prefill) == len(workers.decode) == 1  # the decode leg after the prefill, no second one
+    assert 'pdserve_router_paths_total{path="pd"} 1.0' in metrics

@@ -134,21 +134,20 @@ class PDFlow:
 
     async def _serve_early(self, call: Call, ctx: RouteContext, verdict: asyncio.Future[str | None]) -> Response:
         """P/D with the prompt's count and store lookup still running (paths.py `_early`): a decode-only verdict
-        that comes before a response cancels the P/D flow (its legs clean up as for a client that left) and
-        serves decode-only; one that comes later changes nothing (the prefill is done by then)."""
+        that comes while the prefill leg is out cancels the P/D flow (its legs clean up as for a client that
+        left) and serves decode-only. Once the prefill has answered, the verdict changes nothing: the prefill's
+        work is done, and a lookup that late may find the chunks this very prefill stored (a 2-core VM's
+        count, asked of a worker's /tokenize while the router's tokenizer loads, came after them)."""
         serving = asyncio.ensure_future(self._serve_path(call, "pd", ctx))
         try:
             await asyncio.wait((serving, verdict), return_when=asyncio.FIRST_COMPLETED)
-            path = verdict.result() if verdict.done() and not serving.done() else None
+            path = self._verdict(call, verdict) if not serving.done() else None
             if path is None:
                 return await serving
             serving.cancel()
             await asyncio.wait((serving,))
             if not serving.cancelled():  # it ended while the cancel was on its way
                 return serving.result()
-            if call.kv_params:  # the prefill had answered: its tail goes now, not at the request's end
-                self._spawn(self.store.drop_tail(call.kv_params))
-                call.kv_params = None
             if call.producer_watch is not None:  # an overlapped leg's producer: nothing waits on it any more
                 call.producer_watch.stop()
                 call.producer_watch = None
@@ -158,6 +157,17 @@ class PDFlow:
         finally:
             verdict.cancel()
             serving.cancel()
+
+    @staticmethod
+    def _verdict(call: Call, verdict: asyncio.Future[str | None]) -> str | None:
+        """The decode-only path an early prefill leg must give way to, or None: the verdict is not in, says
+        P/D, failed (routing goes on as planned), or came after the prefill had answered."""
+        if not verdict.done() or call.t_prefill_answer is not None:
+            return None
+        if verdict.exception() is not None:
+            log.warning("request %s: counting the prompt failed: %r", call.request_id, verdict.exception())
+            return None
+        return verdict.result()
 
     async def _serve_path(self, call: Call, path: str, ctx: RouteContext) -> Response:
         if path == "pd" and self.cfg.pd_first_token and first_token.eligible(call):
