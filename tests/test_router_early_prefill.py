@@ -12,6 +12,8 @@ after the prefill has answered changes nothing.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -20,6 +22,8 @@ from aiohttp import web
 
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
+from pdserve.router.flow.call import Call
+from pdserve.router.flow.paths import PathPlanner
 from worker_stubs import healthy, listening, serves_stub, worker_app
 
 LONG = "The quick brown fox jumps over the lazy dog " * 40  # about 400 tokens, 1.8 kB
@@ -29,8 +33,10 @@ class Workers:
     """A prefill stub that answers, or (hold) keeps the leg waiting until the router hangs up; its /tokenize,
     which answers `tokens` ids once the prefill leg has arrived; a decode stub."""
 
-    def __init__(self, hold: bool, tokens: int, count_after_decode: bool = False) -> None:
+    def __init__(self, hold: bool, tokens: int, count_after_decode: bool = False, count_wait_s: float = 10.0) -> None:
         self.hold = hold
+        self.count_wait_s = count_wait_s
+        self.counts_after_prefill: list[bool] = []
         self.tokens = tokens
         self.prefill: list[dict[str, Any]] = []
         self.prefill_came = asyncio.Event()
@@ -44,10 +50,13 @@ class Workers:
 
     async def on_tokenize(self, _r: web.Request) -> web.Response:
         try:
-            await asyncio.wait_for((self.decode_came if self.count_after_decode else self.prefill_came).wait(), 10)
+            await asyncio.wait_for((self.decode_came if self.count_after_decode else self.prefill_came).wait(),
+                                   self.count_wait_s)
         except TimeoutError:
             pass
         self.counted_after_prefill = self.prefill_came.is_set()
+        self.counts_after_prefill.append(self.counted_after_prefill)
+        self.prefill_came.clear()  # for the next request
         self.counted.set()
         return web.json_response({"tokens": list(range(self.tokens))})
 
@@ -71,8 +80,9 @@ class Workers:
         return web.json_response({"choices": [{"index": 0, "text": "d", "finish_reason": "length"}]})
 
 
-async def _serve(workers: Workers, body: dict[str, Any], **cfg: Any) -> tuple[httpx.Response, str]:
-    """The client's response and the router's metrics (`cfg`: RouterConfig fields besides the test's)."""
+async def _serve(workers: Workers, body: dict[str, Any], times: int = 1, **cfg: Any) -> tuple[httpx.Response, str]:
+    """The client's last response and the router's metrics, after `times` requests of `body` in turn
+    (`cfg`: RouterConfig fields besides the test's)."""
     prefill_app = worker_app(healthy, serves_stub, workers.on_prefill, {"/tokenize": workers.on_tokenize})
     async with listening(prefill_app, worker_app(healthy, serves_stub, workers.on_decode)) as (prefill, decode):
         cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), pd_min_prompt_tokens=64,
@@ -80,7 +90,8 @@ async def _serve(workers: Workers, body: dict[str, Any], **cfg: Any) -> tuple[ht
         app = create_app(cfg)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
-                r = await client.post("/v1/completions", json=body, timeout=30)
+                for _ in range(times):
+                    r = await client.post("/v1/completions", json=body, timeout=30)
                 return r, (await client.get("/metrics")).text
 
 
@@ -117,3 +128,31 @@ async def test_a_verdict_that_comes_after_the_prefill_answered_changes_nothing()
     assert workers.counted.is_set() and not workers.hung_up.is_set()
     assert len(workers.prefill) == len(workers.decode) == 1  # the decode leg after the prefill, no second one
     assert 'pdserve_router_paths_total{path="pd"} 1.0' in metrics
+
+
+async def test_a_prompt_that_opens_as_a_recent_one_is_counted_first() -> None:
+    """It may be in the store (a chat's next turn): an early leg its verdict cancels would cost work for nothing."""
+    workers = Workers(hold=False, tokens=400, count_wait_s=0.5)
+    r, metrics = await _serve(workers, {"model": "stub", "prompt": LONG, "max_tokens": 2}, times=2)
+    assert r.status_code == 200, r.text
+    assert workers.counts_after_prefill == [True, False]  # early the first time, counted first the second
+    assert workers.prefill[0]["prompt"] == LONG and workers.prefill[1]["prompt"] != LONG  # the second as ids
+
+
+def test_a_prompt_sharing_half_its_text_with_a_recent_one_is_taken_for_stored() -> None:
+    planner = SimpleNamespace(_prefixes=OrderedDict())
+
+    def seen(route: str, body: dict[str, Any]) -> bool:
+        return PathPlanner._maybe_stored(planner, Call(route, b"", body, "r"))  # type: ignore[arg-type]
+
+    words = [f"w{i}" for i in range(2000)]
+    first = " ".join(words[:1000])
+    assert not seen("completions", {"prompt": first})
+    assert seen("completions", {"prompt": first + " " + " ".join(words[1000:1800])})  # 55% shared
+    assert not seen("completions", {"prompt": "x" + first})  # the same words, another opening
+    turn1 = [{"role": "system", "content": "be brief " * 40}, {"role": "user", "content": first}]
+    assert not seen("chat", {"messages": turn1})
+    assert seen("chat", {"messages": [*turn1, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}]})
+    # the same long system prompt before another long question: not half of it
+    assert not seen("chat", {"messages": [turn1[0], {"role": "user", "content": " ".join(words[1000:])}]})
+    assert seen("completions", {"prompt": [1, 2, 3]})  # no text to go by: counted first (at once, for ids)
