@@ -146,7 +146,9 @@ def test_client_disconnect_aborts_both_legs_and_frees_the_tail(pd_stack: Stack) 
     ops = lambda op: metric(pd_stack.kvstore.http, "pdserve_kvstore_requests_total", {"op": op})  # noqa: E731
     try:
         a = raw_post(router.url, "/v1/completions", {
-            "model": pd_stack.model, "prompt": long_prompt(50, seed=14), "stream": True, "max_tokens": 3000,
+            # As long as the engine's 4096-token context allows (the prompt is 126 tokens): at 70-130 tokens/s
+            # A outlasts B's steps below, which a loaded 2-core CI machine has seen take longer than 3000 tokens.
+            "model": pd_stack.model, "prompt": long_prompt(50, seed=14), "stream": True, "max_tokens": 3950,
             "ignore_eos": True,
         }, API_KEY)
         received = b""
@@ -167,6 +169,7 @@ def test_client_disconnect_aborts_both_legs_and_frees_the_tail(pd_stack: Stack) 
         b.close()  # B hangs up while it waits for decode
         wait_until(lambda: ops("drop_tail") == drops_before + 1, what="the router to drop B's tail")
         wait_until(lambda: tails() <= live - 1, what="B's tail gone from the store")
+        assert _running(pd_stack.decode.url) == 1, "A finished before the test hung up on it: no mid-stream hang-up"
         a.close()  # A hangs up mid-stream
         wait_until(lambda: _running(pd_stack.decode.url) == 0, what="decode engine idle")
         assert _running(pd_stack.prefill.url) == 0

@@ -152,8 +152,7 @@ class PDFlow:
                 call.producer_watch.stop()
                 call.producer_watch = None
             log.debug("request %s: %s after its prefill leg went out; cancelled it", call.request_id, path)
-            self._count_path(call, path)
-            return await self._respond(call, await self.decode_legs.open(call, call.raw, ctx, set(), None))
+            return await self._serve_path(call, path, ctx)
         finally:
             verdict.cancel()
             serving.cancel()
