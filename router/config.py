@@ -44,8 +44,8 @@ class RouterConfig:
     # overlapped flow's at c=4 and c=8 in every run)
     pd_first_token: bool = True
     # send the prefill leg before the router has counted the prompt's tokens, when its body is sure to be long
-    # enough; the count and the store lookup run beside the leg, and a verdict of decode-only (the prompt is
-    # short after all, or stored) cancels the leg (paths.py)
+    # enough and it is not likely stored; the count runs beside the leg, and finding the prompt short after
+    # all cancels the leg (paths.py)
     pd_early_prefill: bool = True
     pd_queue_aware: bool = True  # decode-only when the prefill queue would delay a prompt more than recomputing it
     pd_queue_poll_interval: float = 0.5  # seconds between scrapes of each worker's /metrics (its queue)
@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-pd-first-token sends them the way --pd-overlap says, as the rest")
     p.add_argument("--pd-early-prefill", action=argparse.BooleanOptionalAction,
                    default=d["pd_early_prefill"].default,
-                   help="send the prefill leg while the router counts a long prompt's tokens and asks the store "
-                        "for it; a decode-only verdict cancels the leg")
+                   help="send the prefill leg while the router counts a long prompt's tokens (one not likely "
+                        "stored); a count under --pd-min-prompt-tokens cancels the leg")
     p.add_argument("--pd-queue-aware", action=argparse.BooleanOptionalAction, default=d["pd_queue_aware"].default,
                    help="send a prompt decode-only when the prefill workers' queue would delay it more than "
                         "recomputing it on a decode worker costs (both measured from finished requests)")

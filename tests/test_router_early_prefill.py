@@ -3,7 +3,8 @@
 An in-process router over stub workers, with no local tokenizer: the router counts a prompt with the
 prefill worker's /tokenize, which the stub answers only once the prefill leg has reached it, so the
 order is the test's to see. A body long enough goes P/D at once: its prefill leg carries the client's
-text (the prefill engine counts it), while the router counts the prompt and asks the store beside it. When that count finds the prompt short after all (a body made
+text (the prefill engine counts it), while the router counts the prompt beside it (no store lookup: the last
+test says why). When that count finds the prompt short after all (a body made
 long by another field), the verdict cancels the prefill leg, which the prefill worker sees as a hang-up
 (vLLM aborts the request), and the request is served decode-only, counted as such; a verdict that comes
 after the prefill has answered changes nothing.
@@ -24,6 +25,11 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.flow.call import Call
 from pdserve.router.flow.paths import PathPlanner
+from pdserve.router.lmcache_view import LMCacheView
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import Pool
+from pdserve.router.prefill_estimate import QueueEstimate
+from pdserve.router.store_view import StoreLayout, StoreView
 from worker_stubs import healthy, listening, serves_stub, worker_app
 
 LONG = "The quick brown fox jumps over the lazy dog " * 40  # about 400 tokens, 1.8 kB
@@ -156,3 +162,51 @@ def test_a_prompt_sharing_half_its_text_with_a_recent_one_is_taken_for_stored() 
     # the same long system prompt before another long question: not half of it
     assert not seen("chat", {"messages": [turn1[0], {"role": "user", "content": " ".join(words[1000:])}]})
     assert seen("completions", {"prompt": [1, 2, 3]})  # no text to go by: counted first (at once, for ids)
+
+
+class _CountsAll:
+    """The router's prompt counter, standing in: every prompt is 400 tokens, counted at once."""
+
+    def estimate(self, body_size: int) -> int:
+        return body_size // 4
+
+    async def ids(self, route: str, body: dict[str, Any], url: str, body_size: int) -> list[int]:
+        return list(range(400))
+
+
+class _HoldsEverything(StoreView):
+    """A store that holds every prompt whole, and counts the lookups asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layouts["tcp://store"] = StoreLayout("ns", 256, (0,), None)
+        self.asked = 0
+
+    async def prefix_tokens(self, token_ids: list[int], salt: str | None) -> dict[str, int]:
+        self.asked += 1
+        return {"tcp://store": len(token_ids)}
+
+
+async def test_an_early_leg_is_not_looked_up_in_the_store() -> None:
+    """A lookup sent after the leg can find the chunks that very prefill is storing; its verdict would then
+    cancel a prefill all but done (seen in a full test run: a fresh prompt went decode_only_cached 0.34 s
+    after its leg). So the early verdict only counts; a prompt likely stored is counted and looked up first."""
+    cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=64, pd_queue_aware=False)
+    metrics = RouterMetrics()
+    prefill, decode = Pool("prefill", cfg, metrics), Pool("decode", cfg, metrics)
+    prefill.add_static(["http://p"])
+    decode.add_static(["http://d"])
+    for w in (*prefill.workers.values(), *decode.workers.values()):
+        w.healthy = True
+    store = _HoldsEverything()
+    planner = PathPlanner(cfg, prefill, decode, _CountsAll(), store, LMCacheView(),  # type: ignore[arg-type]
+                          QueueEstimate(None), metrics)
+    body = {"model": "stub", "prompt": LONG}
+    first = Call(route="completions", raw=msgspec.json.encode(body), body=body, request_id="a")
+    path, _ = await planner.plan(first)
+    assert path == "pd" and first.verdict is not None  # the leg goes out early ...
+    assert await first.verdict is None and first.prompt_ids is not None  # ... counted beside it, not looked up
+    assert store.asked == 0
+    again = Call(route="completions", raw=msgspec.json.encode(body), body=body, request_id="b")
+    path, _ = await planner.plan(again)  # the same text again: counted and looked up before any leg
+    assert (path, again.verdict, store.asked) == ("decode_only_cached", None, 1)

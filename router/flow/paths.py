@@ -11,9 +11,10 @@ backend's: pdserve's stores (store_view.py) and the LMCache servers of the prefi
 on that backend (lmcache_view.py), asked together.
 
 Counting a long prompt and asking the store sit in front of the first call, so with
-`--pd-early-prefill` a body long enough goes P/D at once and the count runs beside the
-prefill leg as `call.verdict`; pd_flow.py cancels the leg if the verdict is decode-only.
-The queue check then goes by the body's estimated count: it needs no exact one.
+`--pd-early-prefill` a body long enough, and not likely stored, goes P/D at once and the count
+runs beside the prefill leg as `call.verdict`; pd_flow.py cancels the leg if the count finds the
+prompt short after all. Such a request is not looked up in the store (see `_early`). The queue
+check then goes by the body's estimated count: it needs no exact one.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class PathPlanner:
         if (given := given_ids(call.route, call.body)) is not None:
             ctx.prompt_tokens, call.prompt_ids = len(given), given
         if self._early(call, ctx):
-            call.verdict = asyncio.ensure_future(self._counted(call, ctx, prefill_workers))
+            call.verdict = asyncio.ensure_future(self._counted(call, ctx, prefill_workers, lookup=False))
         elif why := await self._counted(call, ctx, prefill_workers):
             return why, ctx
         if self.cfg.pd_queue_aware:
@@ -120,10 +121,16 @@ class PathPlanner:
     def _early(self, call: Call, ctx: RouteContext) -> bool:
         """Whether the prefill leg goes out before the router has counted the prompt (`--pd-early-prefill`):
         when its body is long enough that the count is sure to clear `--pd-min-prompt-tokens`, it is not
-        likely to be in the store (`_maybe_stored`), and no policy chooses the prefill worker by what the store
-        holds. On the H200 the count took 5-7 ms of the router's 6-8 ms before its first call (2k tokens,
-        c=4 and 8), and the store lookup 1-2 ms."""
-        return (self.cfg.pd_early_prefill and self.cfg.prefill_policy != "prefix-aware"
+        likely to be in the store (`_maybe_stored`), and no policy chooses a worker by what the store holds.
+        On the H200 the count took 5-7 ms of the router's 6-8 ms before its first call (2k tokens, c=4 and 8),
+        and the store lookup 1-2 ms.
+
+        Such a request is not looked up at all: a lookup sent after the leg can find the chunks this very
+        prefill is storing, and its verdict would cancel a prefill that is all but done (full `make test` on
+        the 2-core VM: a fresh prompt counted through a worker's /tokenize, the router's tokenizer still
+        loading, got its verdict 0.34 s after its leg and went decode_only_cached). A prompt stored through
+        another router thus gets a prefill leg, whose engine recomputes it (a kv_producer does not load)."""
+        return (self.cfg.pd_early_prefill and "prefix-aware" not in (self.cfg.prefill_policy, self.cfg.decode_policy)
                 and ctx.prompt_tokens >= EARLY_MARGIN * self.cfg.pd_min_prompt_tokens
                 and not self._maybe_stored(call))
 
@@ -152,9 +159,11 @@ class PathPlanner:
             self._prefixes.popitem(last=False)
         return seen
 
-    async def _counted(self, call: Call, ctx: RouteContext, prefill_workers: list[Worker]) -> str | None:
-        """Count the prompt and ask the store for it: the decode-only path this shows ("decode_only_short",
-        "decode_only_cached"), or None for P/D. Sets `call.prompt_ids` and the counts in `ctx`."""
+    async def _counted(self, call: Call, ctx: RouteContext, prefill_workers: list[Worker],
+                       lookup: bool = True) -> str | None:
+        """Count the prompt and (with `lookup`) ask the store for it: the decode-only path this shows
+        ("decode_only_short", "decode_only_cached"), or None for P/D. Sets `call.prompt_ids` and the counts
+        in `ctx`."""
         t = time.perf_counter()
         ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
         self._timed("tokenize", t)
@@ -163,7 +172,7 @@ class PathPlanner:
             call.prompt_ids = ids
         if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
             return "decode_only_short"
-        if ids is not None:
+        if ids is not None and lookup:
             t = time.perf_counter()
             ctx.prefix_tokens = await self._prefix_tokens(ids, call.body.get("cache_salt"), prefill_workers)
             self._timed("store_lookup", t)

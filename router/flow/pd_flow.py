@@ -133,11 +133,10 @@ class PDFlow:
         return await self._serve_early(call, ctx, verdict)
 
     async def _serve_early(self, call: Call, ctx: RouteContext, verdict: asyncio.Future[str | None]) -> Response:
-        """P/D with the prompt's count and store lookup still running (paths.py `_early`): a decode-only verdict
-        that comes while the prefill leg is out cancels the P/D flow (its legs clean up as for a client that
-        left) and serves decode-only. Once the prefill has answered, the verdict changes nothing: the prefill's
-        work is done, and a lookup that late may find the chunks this very prefill stored (a 2-core VM's
-        count, asked of a worker's /tokenize while the router's tokenizer loads, came after them)."""
+        """P/D with the prompt's count still running (paths.py `_early`): a decode-only verdict (the prompt
+        short after all) that comes while the prefill leg is out cancels the P/D flow (its legs clean up as for
+        a client that left) and serves decode-only. Once the prefill has answered, the verdict changes nothing:
+        the prefill's work is done."""
         serving = asyncio.ensure_future(self._serve_path(call, "pd", ctx))
         try:
             await asyncio.wait((serving, verdict), return_when=asyncio.FIRST_COMPLETED)
