@@ -46,7 +46,7 @@ class Call:
     recompute: Recompute | None = None  # sent decode-only for the prefill queue: counted until its first token
     producer_watch: ProducerWatch | None = None  # an overlapped decode leg's producer, watched until its first token
     token_shown: bool = False  # the client has its first token already (the prefill's: first_token.py)
-    # the prompt's count and store lookup, still running beside an early prefill leg (paths.py `_early`):
+    # the prompt's count, still running beside an early prefill leg (paths.py `_early`):
     # a decode-only path, or None for P/D
     verdict: asyncio.Future[str | None] | None = None
     path: str = "unplanned"  # as counted in pdserve_router_paths, once the flow has chosen it

@@ -88,7 +88,7 @@ class PathPlanner:
 
     async def plan(self, call: Call) -> tuple[str, RouteContext]:
         """The path (a metrics label: "pd" or "decode_only_<why>") and the facts the policies use. A "pd"
-        plan may leave `call.verdict` running: the prompt's count and store lookup, which the flow races
+        plan may leave `call.verdict` running: the prompt's count, which the flow races
         with the prefill leg (`_early`)."""
         # a rough count for load accounting where no tokenization is needed (or none answers)
         ctx = RouteContext(model=call.model, prompt_tokens=self.tokens.estimate(len(call.raw)))
