@@ -815,11 +815,11 @@ def second_router(stack: Any, *flags: str) -> Iterator[str]:
 # token streamed first, the decode leg after it; a long prefill queue skipped); the second overlaps the legs of
 # every request instead, the third sends them in sequence, the fourth always disaggregates (the defaults
 # otherwise), the fifth sends an overlapped decode leg with its prefill leg instead of at the predicted end, the
-# sixth counts each prompt before its prefill leg goes out (the defaults otherwise).
+# sixth sends a long prompt's prefill leg before counting it (the defaults otherwise).
 PD_ROUTERS: dict[str, tuple[str, ...]] = {
     "pd": (), "pd-overlapped": ("--no-pd-first-token",), "pd-sequential": ("--no-pd-overlap", "--no-pd-first-token"),
     "pd-queue-blind": ("--no-pd-queue-aware",), "pd-overlap-start": ("--pd-overlap-send", "start", "--no-pd-first-token"),
-    "pd-counted-first": ("--no-pd-early-prefill",)}
+    "pd-early-prefill": ("--pd-early-prefill",)}
 # The colocated engine's runs, the yardsticks of the P/D ones.
 COLOCATED_LABELS = ("colocated-router", "colocated-direct")
 # An engine's connector counters by its role in a P/D stack ("decode", "prefill"); None where it did not answer.

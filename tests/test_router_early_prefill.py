@@ -92,7 +92,7 @@ async def _serve(workers: Workers, body: dict[str, Any], times: int = 1, **cfg: 
     prefill_app = worker_app(healthy, serves_stub, workers.on_prefill, {"/tokenize": workers.on_tokenize})
     async with listening(prefill_app, worker_app(healthy, serves_stub, workers.on_decode)) as (prefill, decode):
         cfg = RouterConfig(prefill_urls=(prefill,), decode_urls=(decode,), pd_min_prompt_tokens=64,
-                           pd_queue_aware=False, health_interval=600.0, **cfg)
+                           pd_queue_aware=False, health_interval=600.0, pd_early_prefill=True, **cfg)
         app = create_app(cfg)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
@@ -191,7 +191,8 @@ async def test_an_early_leg_is_not_looked_up_in_the_store() -> None:
     """A lookup sent after the leg can find the chunks that very prefill is storing; its verdict would then
     cancel a prefill all but done (seen in a full test run: a fresh prompt went decode_only_cached 0.34 s
     after its leg). So the early verdict only counts; a prompt likely stored is counted and looked up first."""
-    cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=64, pd_queue_aware=False)
+    cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=64, pd_queue_aware=False,
+                       pd_early_prefill=True)
     metrics = RouterMetrics()
     prefill, decode = Pool("prefill", cfg, metrics), Pool("decode", cfg, metrics)
     prefill.add_static(["http://p"])

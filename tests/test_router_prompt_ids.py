@@ -1,8 +1,8 @@
 """The prefill leg carries the prompt as the router's token ids (router/flow/prefill_leg.py), fast tier.
 
 An in-process router with a local tokenizer over stub workers that record what they get, with
-`--no-pd-early-prefill` (tests/test_router_early_prefill.py has the default, where the prefill leg
-goes before the count): a text completion's prefill leg goes as the ids the router counted (the prefill engine does not
+`--no-pd-early-prefill`, the default (tests/test_router_early_prefill.py has the other, where the
+prefill leg goes before the count): a text completion's prefill leg goes as the ids the router counted (the prefill engine does not
 tokenize it again), its decode leg as the client's text (the decode engine renders it itself,
 which is what keeps a router tokenizer unlike the engine's from giving wrong tokens), and a
 chat request's prefill leg keeps its messages.
