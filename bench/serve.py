@@ -106,6 +106,7 @@ class BenchConfig:
     compare: bool = False
     kv_backends: tuple[str, ...] = ("pdserve",)  # with --compare: one P/D stack per KV backend
     paired: bool = False  # with --compare at c=1: every stack up at once, requests alternating between labels
+    pd_runs: tuple[str, ...] = ()  # with --compare: the P/D routers (PD_ROUTERS labels) that run, in this order; (): all
     vllm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -120,6 +121,10 @@ class BenchConfig:
         unknown = set(self.goodput) - set(SLO_METRICS)
         if unknown:
             raise ValueError(f"--goodput metrics must be among {SLO_METRICS}, got {sorted(unknown)}")
+        if set(self.pd_runs) - set(PD_ROUTERS) or len(set(self.pd_runs)) != len(self.pd_runs):
+            raise ValueError(f"--pd-runs takes distinct labels among {list(PD_ROUTERS)}, got {list(self.pd_runs)}")
+        if self.pd_runs and not self.compare:
+            raise ValueError("--pd-runs picks among the P/D routers --compare starts: add --compare")
         if self.paired and not self.compare:
             raise ValueError("--paired pairs the stacks --compare starts: add --compare")
         # Rounds pair one request per label, so one is in flight at a time and each goes out when the last ends.
@@ -1018,14 +1023,14 @@ async def warm_engines(cfg: BenchConfig, engines: Sequence[str], prompts: Prompt
 @contextmanager
 def pd_stack(cfg: BenchConfig, stack: Callable[..., StackConfig], tokenizer: Any,
              floor_prompts: PromptSource) -> Iterator[StackUp]:
-    """The P/D stack on pdserve's store with one router per PD_ROUTERS entry; its decode engine's floors
-    measured as it comes up."""
+    """The P/D stack on pdserve's store with one router per PD_ROUTERS entry (those of --pd-runs, in its
+    order); its decode engine's floors measured as it comes up."""
     from pdserve.deploy.local import LocalStack
 
     pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
     with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), ExitStack() as routers:
-        urls = {label: routers.enter_context(second_router(pd, *flags)) if flags else pd.router_url
-                for label, flags in PD_ROUTERS.items()}
+        urls = {label: routers.enter_context(second_router(pd, *PD_ROUTERS[label])) if PD_ROUTERS[label]
+                else pd.router_url for label in cfg.pd_runs or PD_ROUTERS}
         engines = {"decode": pd.worker_urls("decode")[0], "prefill": pd.worker_urls("prefill")[0]}
         floors = (engine_floor(cfg, engines["decode"], FLOOR_LABELS["pd"], floor_prompts)
                   + cached_floor(cfg, engines["decode"], tokenizer))
@@ -1137,6 +1142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-backend", dest="kv_backends", nargs="+", choices=KV_BACKENDS, default=["pdserve"],
                    help="with --compare: one P/D stack per KV backend, side by side (lmcache needs lmcache "
                         "installed and redis-server on PATH)")
+    p.add_argument("--pd-runs", nargs="+", choices=tuple(PD_ROUTERS), default=[], metavar="LABEL",
+                   help="with --compare: the P/D runs to make, in this order (default: all of "
+                        f"{', '.join(PD_ROUTERS)}); every label of a stack runs a level in turn, so the order "
+                        "says which goes first")
     p.add_argument("--paired", action="store_true",
                    help="with --compare and --max-concurrency 1: every stack up at once, one request at a time "
                         "to each run label in turn (order rotated every round); adds each round's P/D minus "
@@ -1157,7 +1166,7 @@ def config_from_args(argv: Sequence[str]) -> BenchConfig:
             max_concurrency=tuple(a.max_concurrency), request_rate=a.request_rate, num_warmups=a.num_warmups,
             seed=a.seed, goodput=dict(a.goodput), api_key=a.api_key, request_timeout=a.request_timeout,
             result_dir=a.result_dir, result_filename=a.result_filename, disable_tqdm=a.disable_tqdm,
-            compare=a.compare, kv_backends=tuple(a.kv_backends), paired=a.paired, vllm_args=tuple(vllm_args),
+            compare=a.compare, kv_backends=tuple(a.kv_backends), paired=a.paired, pd_runs=tuple(a.pd_runs), vllm_args=tuple(vllm_args),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -343,6 +343,57 @@ def test_paired_needs_compare_at_concurrency_one(argv: list[str], why: str, caps
     assert not config_from_args(["--compare", "--max-concurrency", "1"]).paired
 
 
+@pytest.mark.parametrize("argv, why", [
+    (["--compare", "--pd-runs", "pd", "pd"], "distinct labels"),
+    (["--compare", "--pd-runs", "pd-nonesuch"], "invalid choice"),
+    (["--pd-runs", "pd"], "add --compare"),
+])
+def test_pd_runs_takes_known_labels_once_with_compare(argv: list[str], why: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        config_from_args(argv)
+    assert exc.value.code == 2 and why in capsys.readouterr().err
+    assert config_from_args(["--compare"]).pd_runs == ()
+    assert config_from_args(["--compare", "--pd-runs", "pd-early-prefill", "pd"]).pd_runs == ("pd-early-prefill", "pd")
+
+
+def test_pd_runs_start_only_their_routers_and_run_in_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--pd-runs decides which P/D routers the stack starts and the order its labels run each level in, so
+    a run can put the label that usually goes last first (the first label of a level may pay for it)."""
+    started: list[tuple[str, ...]] = []
+
+    class FakeLocal:
+        def __init__(self, cfg: Any, label: str) -> None:
+            pass
+
+        @contextmanager
+        def start(self, show_progress: bool) -> Iterator[None]:
+            yield
+
+    class FakeStack:
+        router_url = "http://own-router"
+
+        def worker_urls(self, role: str) -> list[str]:
+            return [f"http://{role}"]
+
+    @contextmanager
+    def fake_second(stack: Any, *flags: str) -> Iterator[str]:
+        started.append(flags)
+        yield "http://router-" + "-".join(flags)
+
+    import pdserve.deploy.local as local
+
+    monkeypatch.setattr(local, "LocalStack", FakeLocal)
+    monkeypatch.setattr(bench_serve, "second_router", fake_second)
+    monkeypatch.setattr(bench_serve, "engine_floor", lambda *args: [])
+    monkeypatch.setattr(bench_serve, "cached_floor", lambda *args: [])
+    cfg = config_from_args(["--compare", "--model", "m", "--pd-runs", "pd-early-prefill", "pd"])
+    with bench_serve.pd_stack(cfg, lambda **kw: FakeStack(), None, None) as up:
+        assert [(t.label, t.url) for t in up.targets] == [
+            ("pd-early-prefill", "http://router---pd-early-prefill"), ("pd", "http://own-router")]
+    assert started == [("--pd-early-prefill",)]
+
+
 def test_paired_schedule_rotates_each_round_so_no_label_keeps_its_place() -> None:
     labels = ["pd", "pd-sequential", "colocated-router", "colocated-direct"]
     schedule = paired_schedule(labels, 8)
