@@ -845,12 +845,14 @@ class Target:
 
 @dataclass(frozen=True)
 class StackUp:
-    """A stack brought up for --compare: its targets, the floor runs measured as it came up, and the engines
-    that decode in it (`warm_engines` warms them before each level)."""
+    """A stack brought up for --compare: its targets, the floor runs measured as it came up, and where
+    `warm_engines` sends its closed-loop warm-up before each level, in order: the engines that decode in it
+    and, in a P/D stack, a router of its own (both legs, so the prefill engine's batches and the KV moves
+    are warm too)."""
 
     targets: list[Target]
     floors: list[Run]
-    decoders: list[str]
+    warm_urls: list[str]
 
 
 def read_engines(engines: dict[str, str]) -> Readings:
@@ -997,7 +999,7 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
             # Every label of the stack runs a level before the next level starts, so slow drift in the machine's
             # load does not land on one side of a difference between two labels (colocated router vs direct).
             for n, conc in enumerate(cfg.max_concurrency):
-                asyncio.run(warm_engines(bench, s.decoders, prompts, conc))
+                asyncio.run(warm_engines(bench, s.warm_urls, prompts, conc))
                 runs += [run for t in s.targets for run in measure_level(bench, t, prompts, conc, first=n == 0)]
     return runs
 
@@ -1008,11 +1010,17 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
 # runs: p90 0.8-1.1 s on the first P/D router and on the colocated router, 0.07-0.13 s after). The engines
 # build kernels for batch shapes the first time they see them, and the shapes of a steady closed loop (prefills
 # mixed into decode steps, a decode-only prompt recomputed beside running streams) differ from one burst's.
+# Sent straight to the engines alone, the first P/D label of a level still paid: on an H100 (2k tokens, one
+# router with the early prefill leg, one without, each order once) whichever ran first at c=8 had a TTFT p50
+# 11-21 ms above its run in second place, and at c=4 6-10 ms. Its prefill engine and the KV moves had seen
+# that level's load only as the first label's own burst of warm-ups, so a P/D stack also warms through a
+# router of its own.
 ENGINE_WARMUP_ROUNDS = 3
 
 
 async def warm_engines(cfg: BenchConfig, engines: Sequence[str], prompts: PromptSource, conc: int | None) -> None:
-    """ENGINE_WARMUP_ROUNDS * conc requests at `conc` straight to each engine (none without warm-ups)."""
+    """ENGINE_WARMUP_ROUNDS * conc requests at `conc` to each of `engines` (an engine or a stack's router) in
+    turn (none without warm-ups)."""
     if not cfg.num_warmups:
         return
     for url in engines:
@@ -1037,7 +1045,7 @@ def pd_stack(cfg: BenchConfig, stack: Callable[..., StackConfig], tokenizer: Any
         targets = [Target(label, url, PD_ROUTER_WARMUPS, engines) for label, url in urls.items()]
         if cfg.paired:
             targets.append(Target(DECODE_DIRECT_LABEL, engines["decode"]))
-        yield StackUp(targets, floors, [engines["decode"]])
+        yield StackUp(targets, floors, [engines["decode"], pd.router_url])
 
 
 @contextmanager
@@ -1093,7 +1101,7 @@ def lmcache_stack(cfg: BenchConfig, stack: Callable[..., StackConfig]) -> Iterat
         lm = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0, kv_backend="lmcache",
                    redis_url=f"redis://127.0.0.1:{redis.port}/0" if redis else None)
         with LocalStack(lm, label="P/D stack on LMCache").start(show_progress=not cfg.disable_tqdm):
-            yield StackUp([Target(PD_LABELS["lmcache"], lm.router_url)], [], lm.worker_urls("decode")[:1])
+            yield StackUp([Target(PD_LABELS["lmcache"], lm.router_url)], [], [*lm.worker_urls("decode")[:1], lm.router_url])
     finally:
         if redis is not None:
             redis.stop()

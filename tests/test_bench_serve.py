@@ -391,6 +391,7 @@ def test_pd_runs_start_only_their_routers_and_run_in_their_order(monkeypatch: py
     with bench_serve.pd_stack(cfg, lambda **kw: FakeStack(), None, None) as up:
         assert [(t.label, t.url) for t in up.targets] == [
             ("pd-early-prefill", "http://router---pd-early-prefill"), ("pd", "http://own-router")]
+        assert up.warm_urls == ["http://decode", "http://own-router"]  # its decode engine, then both legs
     assert started == [("--pd-early-prefill",)]
 
 
@@ -533,9 +534,9 @@ async def _paired_against_stub(cfg: Any, targets: list[tuple[str, int]]) -> tupl
         cfg, [Target(label, f"{stub}/{label}", warm) for label, warm in targets], _Prompts()))  # type: ignore[arg-type]
 
 
-def test_each_engine_that_decodes_is_warmed_in_a_closed_loop_at_the_levels_concurrency() -> None:
-    """Each engine a stack names as decoding (a P/D stack's decode engine, the colocated engine) gets
-    ENGINE_WARMUP_ROUNDS * c requests, at most c at once."""
+def test_each_warm_up_endpoint_gets_a_closed_loop_at_the_levels_concurrency() -> None:
+    """Each endpoint a stack names for warming (a P/D stack's decode engine and then its own router, the
+    colocated engine) gets ENGINE_WARMUP_ROUNDS * c requests in turn, at most c at once."""
     cfg = config_from_args(["--compare", "--max-concurrency", "2", "--model", "m", "--disable-tqdm"])
 
     async def warm(stub: str) -> None:
