@@ -27,10 +27,9 @@ from pdserve.router.flow.call import Call
 from pdserve.router.flow.paths import PathPlanner
 from pdserve.router.lmcache_view import LMCacheView
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pool import Pool
 from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.store_view import StoreLayout, StoreView
-from worker_stubs import healthy, listening, serves_stub, worker_app
+from worker_stubs import healthy, listening, planner_pools, serves_stub, worker_app
 
 LONG = "The quick brown fox jumps over the lazy dog " * 40  # about 400 tokens, 1.8 kB
 
@@ -194,11 +193,7 @@ async def test_an_early_leg_is_not_looked_up_in_the_store() -> None:
     cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=64, pd_queue_aware=False,
                        pd_early_prefill=True)
     metrics = RouterMetrics()
-    prefill, decode = Pool("prefill", cfg, metrics), Pool("decode", cfg, metrics)
-    prefill.add_static(["http://p"])
-    decode.add_static(["http://d"])
-    for w in (*prefill.workers.values(), *decode.workers.values()):
-        w.healthy = True
+    prefill, decode = planner_pools(cfg, metrics)
     store = _HoldsEverything()
     planner = PathPlanner(cfg, prefill, decode, _CountsAll(), store, LMCacheView(),  # type: ignore[arg-type]
                           QueueEstimate(None), metrics)

@@ -30,6 +30,7 @@ from pdserve.router.prefill_estimate import LEARN_MIN_TOKENS, QueueEstimate, Tok
 from pdserve.router.queue_view import QueueCounts, QueueSnapshot, QueueView, parse_queue
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
+from worker_stubs import planner_pools
 
 # The shape of vLLM 0.32's exposition: HELP/TYPE lines, one sample per engine, the split by reason,
 # and neighbours whose names start like ours.
@@ -305,11 +306,7 @@ def test_first_token_teaches_the_decode_side_and_releases() -> None:
 
 async def _plan(cfg: RouterConfig, est: QueueEstimate, prefill_backlog: int) -> tuple[str, Call]:
     metrics = RouterMetrics()
-    prefill, decode = Pool("prefill", cfg, metrics), Pool("decode", cfg, metrics)
-    prefill.add_static(["http://p"])
-    decode.add_static(["http://d"])
-    for w in (*prefill.workers.values(), *decode.workers.values()):
-        w.healthy = True
+    prefill, decode = planner_pools(cfg, metrics)
     prefill.workers["http://p"].inflight_tokens = prefill_backlog
     async with aiohttp.ClientSession() as http:
         planner = PathPlanner(cfg, prefill, decode, PromptTokens(http, {}, None), StoreView(), LMCacheView(), est,
@@ -337,6 +334,41 @@ async def test_planner_goes_decode_only_when_the_queue_outwaits_a_recompute() ->
     assert not off.pd_queue_aware
     path, _ = await _plan(off, _estimate(), prefill_backlog=10**6)
     assert path == "pd"
+
+
+async def test_a_prompt_that_overflows_the_decode_context_goes_decode_only_before_any_lookup() -> None:
+    """Prompt ids plus max_tokens (max_completion_tokens on chat) over the decode workers' max_model_len: the
+    engine would refuse it after a prefill leg spent for nothing, so it goes decode-only and the store is not
+    asked. Within the context, without max_tokens, or while the workers have not said their context: P/D."""
+    cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=0, pd_early_prefill=False)
+
+    async def planned(body: dict, max_model_len: int | None, route: str = "completions") -> tuple[str, bool]:
+        """The path, and whether the planner also tells the chat's overflow apart (given its count)."""
+        metrics = RouterMetrics()
+        prefill, decode = planner_pools(cfg, metrics)
+        if max_model_len is not None:
+            decode.workers["http://d"].model_cards = [{"id": "m", "max_model_len": max_model_len}]
+        async with aiohttp.ClientSession() as http:
+            planner = PathPlanner(cfg, prefill, decode, PromptTokens(http, {}, None), StoreView(), LMCacheView(),
+                                  _estimate(), metrics)
+            call = Call(route=route, raw=b"{}", body={"model": "m", **body}, request_id="r")
+            path, _ = await planner.plan(call)
+            chat = Call(route="chat", raw=b"{}", body={"model": "m", **body}, request_id="c")
+            chat.prompt_ids = list(range(1000))
+            overflows_as_chat = planner._overflows(chat)
+        lookups = 'pdserve_router_plan_seconds_count{step="store_lookup"}' in metrics.exposition().decode()
+        assert lookups == (path == "pd")
+        return path, overflows_as_chat
+
+    ids = list(range(1000))
+    assert await planned({"prompt": ids, "max_tokens": 101}, 1100) == ("decode_only_too_long", True)
+    assert await planned({"prompt": ids, "max_tokens": 100}, 1100) == ("pd", False)
+    assert await planned({"prompt": ids}, 1100) == ("pd", False)  # vLLM fills the context
+    assert await planned({"prompt": ids, "max_tokens": 10**12}, None) == ("pd", False)  # context not known yet
+    assert await planned({"prompt": ids, "max_tokens": True}, 1100) == ("pd", False)  # not a count: vLLM's 400
+    # chat: max_completion_tokens, when given, is the count vLLM goes by
+    assert (await planned({"prompt": ids, "max_tokens": 10, "max_completion_tokens": 101}, 1100))[1]
+    assert not (await planned({"prompt": ids, "max_tokens": 101, "max_completion_tokens": 10}, 1100))[1]
 
 
 def test_queue_flags_parse_and_refuse_a_bad_interval() -> None:

@@ -7,7 +7,22 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 from aiohttp import web
 
+from pdserve.router.config import RouterConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import Pool
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def planner_pools(cfg: RouterConfig, metrics: RouterMetrics) -> tuple[Pool, Pool]:
+    """A prefill pool of http://p and a decode pool of http://d, both marked healthy: what a PathPlanner
+    needs when no worker is called."""
+    prefill, decode = Pool("prefill", cfg, metrics), Pool("decode", cfg, metrics)
+    prefill.add_static(["http://p"])
+    decode.add_static(["http://d"])
+    for w in (*prefill.workers.values(), *decode.workers.values()):
+        w.healthy = True
+    return prefill, decode
 
 
 async def healthy(_r: web.Request) -> web.Response:

@@ -3,9 +3,10 @@
 Decode-only when the request cannot share one prefill (a batch of prompts, n > 1 or beam
 search: vLLM would fork child requests that all claim the prefill's one tail), when no
 prefill worker is available, when the prompt is short (`--pd-min-prompt-tokens`), when
-the KV store already holds most of it (`--pd-max-cached-fraction`) or when the prefill
-workers' queue would delay it longer than a decode worker takes to recompute it
-(`--pd-queue-aware`, figures from prefill_estimate.py); else P/D. The token count and the
+the KV store already holds most of it (`--pd-max-cached-fraction`), when the prompt and
+its max_tokens overflow the decode workers' context (their engine answers it at once), or
+when the prefill workers' queue would delay it longer than a decode worker takes to
+recompute it (`--pd-queue-aware`, figures from prefill_estimate.py); else P/D. The token count and the
 store's prefix hits found on the way go to the workers' policies. "The KV store" is each
 backend's: pdserve's stores (store_view.py) and the LMCache servers of the prefill workers
 on that backend (lmcache_view.py), asked together.
@@ -162,7 +163,7 @@ class PathPlanner:
     async def _counted(self, call: Call, ctx: RouteContext, prefill_workers: list[Worker],
                        lookup: bool = True) -> str | None:
         """Count the prompt and (with `lookup`) ask the store for it: the decode-only path this shows
-        ("decode_only_short", "decode_only_cached"), or None for P/D. Sets `call.prompt_ids` and the counts
+        ("decode_only_short", "decode_only_too_long", "decode_only_cached"), or None for P/D. Sets `call.prompt_ids` and the counts
         in `ctx`."""
         t = time.perf_counter()
         ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
@@ -172,6 +173,8 @@ class PathPlanner:
             call.prompt_ids = ids
         if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
             return "decode_only_short"
+        if self._overflows(call):
+            return "decode_only_too_long"
         if ids is not None and lookup:
             t = time.perf_counter()
             ctx.prefix_tokens = await self._prefix_tokens(ids, call.body.get("cache_salt"), prefill_workers)
@@ -179,6 +182,18 @@ class PathPlanner:
             if ctx.prefix_tokens and max(ctx.prefix_tokens.values()) >= self.cfg.pd_max_cached_fraction * len(ids):
                 return "decode_only_cached"
         return None
+
+    def _overflows(self, call: Call) -> bool:
+        """Whether the counted prompt plus the tokens asked for overflow the decode workers' context (the
+        smallest `max_model_len` their /v1/models report). vLLM refuses such a request, or in a version that
+        shortens max_tokens serves it, on its own: a prefill leg first would be work thrown away (max_tokens
+        10^12 on a 1.2k-token prompt got its 400 after a 3.2 s prefill leg on the 2-core VM). Sent
+        decode-only, the engine gives its own answer at once; a count that is off costs only the P/D legs."""
+        asked = call.body.get("max_completion_tokens") if call.route == "chat" else None
+        asked = call.body.get("max_tokens") if asked is None else asked
+        limit = self.decode.max_model_len(call.model)
+        return (call.prompt_ids is not None and type(asked) is int and limit is not None
+                and len(call.prompt_ids) + asked > limit)
 
     def _timed(self, step: str, t_start: float) -> None:
         """A step of the decision in `pdserve_router_plan_seconds`: the parts of the router's time before
