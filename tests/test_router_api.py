@@ -138,13 +138,13 @@ def test_prompt_longer_than_the_model_is_a_400_from_the_worker(pd_stack: Stack, 
 
 def test_max_tokens_past_the_decode_context_gets_the_engines_400_without_a_prefill(pd_stack: Stack,
                                                                                   router: Proc) -> None:
-    """A prompt that fits but whose max_tokens overflows the decode engine's context goes straight to that
-    engine (decode_only_too_long), whose 400 is the answer: the prefill engine sees none of it."""
+    """max_tokens over the decode engine's context: the request goes straight to that engine
+    (decode_only_too_long), whose 400 is the answer; the prefill engine sees none of it."""
     cards = httpx.get(router.url + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
     limit = next(c["max_model_len"] for c in cards["data"] if c["id"] == pd_stack.model)
     prefilled = metric(pd_stack.prefill.url, "vllm:prompt_tokens_total")
     with pytest.raises(openai.BadRequestError):
-        _client(router.url).completions.create(model=pd_stack.model, prompt=list(range(100, 400)), max_tokens=limit)
+        _client(router.url).completions.create(model=pd_stack.model, prompt=list(range(100, 400)), max_tokens=limit + 1)
     assert metric(router.url, "pdserve_router_paths_total", {"path": "decode_only_too_long"}) == 1
     assert metric(pd_stack.prefill.url, "vllm:prompt_tokens_total") == prefilled
     fits = _client(router.url).completions.create(model=pd_stack.model, prompt=list(range(100, 400)), max_tokens=2)

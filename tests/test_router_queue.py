@@ -336,10 +336,11 @@ async def test_planner_goes_decode_only_when_the_queue_outwaits_a_recompute() ->
     assert path == "pd"
 
 
-async def test_a_prompt_that_overflows_the_decode_context_goes_decode_only_before_any_lookup() -> None:
-    """Prompt ids plus max_tokens (max_completion_tokens on chat) over the decode workers' max_model_len: the
-    engine would refuse it after a prefill leg spent for nothing, so it goes decode-only and the store is not
-    asked. Within the context, without max_tokens, or while the workers have not said their context: P/D."""
+async def test_max_tokens_over_the_decode_context_goes_decode_only_before_any_lookup() -> None:
+    """max_tokens (max_completion_tokens on chat) over the decode workers' max_model_len: every vLLM refuses
+    it, after a prefill leg spent for nothing, so it goes decode-only and the store is not asked. A prompt plus
+    max_tokens over the context stays P/D (vLLM 0.32 shortens max_tokens and serves it), as do requests
+    without max_tokens or while the workers have not said their context."""
     cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=0, pd_early_prefill=False)
 
     async def planned(body: dict, max_model_len: int | None, route: str = "completions") -> tuple[str, bool]:
@@ -361,14 +362,14 @@ async def test_a_prompt_that_overflows_the_decode_context_goes_decode_only_befor
         return path, overflows_as_chat
 
     ids = list(range(1000))
-    assert await planned({"prompt": ids, "max_tokens": 101}, 1100) == ("decode_only_too_long", True)
-    assert await planned({"prompt": ids, "max_tokens": 100}, 1100) == ("pd", False)
+    assert await planned({"prompt": ids, "max_tokens": 1101}, 1100) == ("decode_only_too_long", True)
+    assert await planned({"prompt": ids, "max_tokens": 1100}, 1100) == ("pd", False)  # 2100 > 1100: still P/D
     assert await planned({"prompt": ids}, 1100) == ("pd", False)  # vLLM fills the context
     assert await planned({"prompt": ids, "max_tokens": 10**12}, None) == ("pd", False)  # context not known yet
     assert await planned({"prompt": ids, "max_tokens": True}, 1100) == ("pd", False)  # not a count: vLLM's 400
     # chat: max_completion_tokens, when given, is the count vLLM goes by
-    assert (await planned({"prompt": ids, "max_tokens": 10, "max_completion_tokens": 101}, 1100))[1]
-    assert not (await planned({"prompt": ids, "max_tokens": 101, "max_completion_tokens": 10}, 1100))[1]
+    assert (await planned({"prompt": ids, "max_tokens": 10, "max_completion_tokens": 1101}, 1100))[1]
+    assert not (await planned({"prompt": ids, "max_tokens": 1101, "max_completion_tokens": 10}, 1100))[1]
 
 
 def test_queue_flags_parse_and_refuse_a_bad_interval() -> None:

@@ -3,8 +3,8 @@
 Decode-only when the request cannot share one prefill (a batch of prompts, n > 1 or beam
 search: vLLM would fork child requests that all claim the prefill's one tail), when no
 prefill worker is available, when the prompt is short (`--pd-min-prompt-tokens`), when
-the KV store already holds most of it (`--pd-max-cached-fraction`), when the prompt and
-its max_tokens overflow the decode workers' context (their engine answers it at once), or
+the KV store already holds most of it (`--pd-max-cached-fraction`), when max_tokens alone
+exceeds the decode workers' context (their engine refuses it at once), or
 when the prefill workers' queue would delay it longer than a decode worker takes to
 recompute it (`--pd-queue-aware`, figures from prefill_estimate.py); else P/D. The token count and the
 store's prefix hits found on the way go to the workers' policies. "The KV store" is each
@@ -184,16 +184,16 @@ class PathPlanner:
         return None
 
     def _overflows(self, call: Call) -> bool:
-        """Whether the counted prompt plus the tokens asked for overflow the decode workers' context (the
-        smallest `max_model_len` their /v1/models report). vLLM refuses such a request, or in a version that
-        shortens max_tokens serves it, on its own: a prefill leg first would be work thrown away (max_tokens
-        10^12 on a 1.2k-token prompt got its 400 after a 3.2 s prefill leg on the 2-core VM). Sent
-        decode-only, the engine gives its own answer at once; a count that is off costs only the P/D legs."""
+        """Whether the tokens asked for alone exceed the decode workers' context (the smallest
+        `max_model_len` their /v1/models report). Every vLLM from 0.23 on refuses that (max_tokens "cannot
+        be greater than max_model_len"), so a prefill leg first would be work thrown away: max_tokens 10^12
+        on a 1.2k-token prompt got its 400 after a 3.2 s prefill leg on the 2-core VM. Sent decode-only, the
+        engine gives its own answer at once. A prompt plus max_tokens over the context is not judged here:
+        vLLM 0.26 refuses it, 0.32 shortens max_tokens and serves it, which P/D should still carry."""
         asked = call.body.get("max_completion_tokens") if call.route == "chat" else None
         asked = call.body.get("max_tokens") if asked is None else asked
         limit = self.decode.max_model_len(call.model)
-        return (call.prompt_ids is not None and type(asked) is int and limit is not None
-                and len(call.prompt_ids) + asked > limit)
+        return type(asked) is int and limit is not None and asked > limit
 
     def _timed(self, step: str, t_start: float) -> None:
         """A step of the decision in `pdserve_router_plan_seconds`: the parts of the router's time before
