@@ -185,8 +185,8 @@ class PathPlanner:
 
     def _overflows(self, call: Call) -> bool:
         """Whether the tokens asked for alone exceed the decode workers' context (the smallest
-        `max_model_len` their /v1/models report). Every vLLM from 0.23 on refuses that (max_tokens "cannot
-        be greater than max_model_len"), so a prefill leg first would be work thrown away: max_tokens 10^12
+        `max_model_len` their /v1/models report). vLLM 0.26 and 0.32 both refuse that (max_tokens "cannot be
+        greater than max_model_len"; older ones are not checked), so a prefill leg first would be work thrown away: max_tokens 10^12
         on a 1.2k-token prompt got its 400 after a 3.2 s prefill leg on the 2-core VM. Sent decode-only, the
         engine gives its own answer at once. A prompt plus max_tokens over the context is not judged here:
         vLLM 0.26 refuses it, 0.32 shortens max_tokens and serves it, which P/D should still carry."""
