@@ -163,7 +163,8 @@ class PathPlanner:
     async def _counted(self, call: Call, ctx: RouteContext, prefill_workers: list[Worker],
                        lookup: bool = True) -> str | None:
         """Count the prompt and (with `lookup`) ask the store for it: the decode-only path this shows
-        ("decode_only_short", "decode_only_too_long", "decode_only_cached"), or None for P/D. Sets `call.prompt_ids` and the counts
+        ("decode_only_short", "decode_only_too_long", "decode_only_cached"), or None for P/D. Sets
+        `call.prompt_ids` and the counts
         in `ctx`."""
         t = time.perf_counter()
         ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
@@ -185,11 +186,12 @@ class PathPlanner:
 
     def _overflows(self, call: Call) -> bool:
         """Whether the tokens asked for alone exceed the decode workers' context (the smallest
-        `max_model_len` their /v1/models report). vLLM 0.26 and 0.32 both refuse that (max_tokens "cannot be
-        greater than max_model_len"; older ones are not checked), so a prefill leg first would be work thrown away: max_tokens 10^12
-        on a 1.2k-token prompt got its 400 after a 3.2 s prefill leg on the 2-core VM. Sent decode-only, the
-        engine gives its own answer at once. A prompt plus max_tokens over the context is not judged here:
-        vLLM 0.26 refuses it, 0.32 shortens max_tokens and serves it, which P/D should still carry."""
+        `max_model_len` their /v1/models report). vLLM 0.26 and 0.32 both refuse that (max_tokens
+        "cannot be greater than max_model_len"; older ones are not checked), so a prefill leg first would
+        be work thrown away: max_tokens 10^12 on a 1.2k-token prompt got its 400 after a 3.2 s prefill leg
+        on the 2-core VM. Sent decode-only, the engine gives its own answer at once. A prompt plus
+        max_tokens over the context is not judged here: vLLM 0.26 refuses it, 0.32 shortens max_tokens
+        and serves it, which P/D should still carry."""
         asked = call.body.get("max_completion_tokens") if call.route == "chat" else None
         asked = call.body.get("max_tokens") if asked is None else asked
         limit = self.decode.max_model_len(call.model)
