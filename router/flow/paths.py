@@ -164,8 +164,7 @@ class PathPlanner:
                        lookup: bool = True) -> str | None:
         """Count the prompt and (with `lookup`) ask the store for it: the decode-only path this shows
         ("decode_only_short", "decode_only_too_long", "decode_only_cached"), or None for P/D. Sets
-        `call.prompt_ids` and the counts
-        in `ctx`."""
+        `call.prompt_ids` and the counts in `ctx`."""
         t = time.perf_counter()
         ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
         self._timed("tokenize", t)
