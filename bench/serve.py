@@ -1037,8 +1037,8 @@ def pd_stack(cfg: BenchConfig, stack: Callable[..., StackConfig], tokenizer: Any
 
     pd = stack(num_prefill=1, num_decode=1, connector=True, pd_min_prompt_tokens=0)
     with LocalStack(pd, label="P/D stack").start(show_progress=not cfg.disable_tqdm), ExitStack() as routers:
-        urls = {label: routers.enter_context(second_router(pd, *PD_ROUTERS[label])) if PD_ROUTERS[label]
-                else pd.router_url for label in cfg.pd_runs or PD_ROUTERS}
+        flags = {label: PD_ROUTERS[label] for label in cfg.pd_runs or PD_ROUTERS}
+        urls = {label: routers.enter_context(second_router(pd, *f)) if f else pd.router_url for label, f in flags.items()}
         engines = {"decode": pd.worker_urls("decode")[0], "prefill": pd.worker_urls("prefill")[0]}
         floors = (engine_floor(cfg, engines["decode"], FLOOR_LABELS["pd"], floor_prompts)
                   + cached_floor(cfg, engines["decode"], tokenizer))

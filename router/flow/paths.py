@@ -100,6 +100,8 @@ class PathPlanner:
         prefill_workers = self.prefill.candidates(call.model)
         if not prefill_workers:
             return "decode_only_no_prefill", ctx
+        if self._overflows(call):  # judged on the body alone: no count, no lookup
+            return "decode_only_too_long", ctx
         if (given := given_ids(call.route, call.body)) is not None:
             ctx.prompt_tokens, call.prompt_ids = len(given), given
         if self._early(call, ctx):
@@ -163,8 +165,8 @@ class PathPlanner:
     async def _counted(self, call: Call, ctx: RouteContext, prefill_workers: list[Worker],
                        lookup: bool = True) -> str | None:
         """Count the prompt and (with `lookup`) ask the store for it: the decode-only path this shows
-        ("decode_only_short", "decode_only_too_long", "decode_only_cached"), or None for P/D. Sets
-        `call.prompt_ids` and the counts in `ctx`."""
+        ("decode_only_short", "decode_only_cached"), or None for P/D. Sets `call.prompt_ids` and the counts
+        in `ctx`."""
         t = time.perf_counter()
         ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
         self._timed("tokenize", t)
@@ -173,8 +175,6 @@ class PathPlanner:
             call.prompt_ids = ids
         if ctx.prompt_tokens < self.cfg.pd_min_prompt_tokens:
             return "decode_only_short"
-        if self._overflows(call):
-            return "decode_only_too_long"
         if ids is not None and lookup:
             t = time.perf_counter()
             ctx.prefix_tokens = await self._prefix_tokens(ids, call.body.get("cache_salt"), prefill_workers)
