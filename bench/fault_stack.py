@@ -130,6 +130,13 @@ def tree(pid: int) -> list[int]:
     return out
 
 
+def engine_core(server: int) -> int:
+    """The engine core process of the vLLM API server `server` (the one process that steps the model)."""
+    cores = [p for p in tree(server)[1:] if "EngineCore" in cmdline(p) or "spawn_main" in cmdline(p)]
+    assert len(cores) == 1, [(p, cmdline(p)) for p in tree(server)]
+    return cores[0]
+
+
 def rss_bytes(pids: list[int]) -> int:
     total = 0
     for pid in pids:
@@ -260,16 +267,18 @@ class FaultStack:
     def engine_core(self, worker: str) -> int:
         server = self.vllm_server(worker)
         assert server is not None, f"{worker} runs no vLLM now"
-        cores = [p for p in tree(server)[1:] if "EngineCore" in cmdline(p) or "spawn_main" in cmdline(p)]
-        assert len(cores) == 1, [(p, cmdline(p)) for p in tree(server)]
-        return cores[0]
+        return engine_core(server)
 
     # ------------------------------------------------------------ faults
 
     def kill_engine(self, worker: str) -> int:
         """kill -9 of a worker's vLLM engine core (its API server then exits; the worker restarts it)."""
+        return self.signal_engine(worker, signal.SIGKILL)
+
+    def signal_engine(self, worker: str, sig: signal.Signals) -> int:
+        """Send `sig` to a worker's vLLM engine core alone (its API server keeps answering)."""
         core = self.engine_core(worker)
-        os.kill(core, signal.SIGKILL)
+        os.kill(core, sig)
         return core
 
     def kill_worker(self, worker: str) -> int:
@@ -316,6 +325,13 @@ class FaultStack:
         return (body.get("prefill", {}).get("healthy") == self.cfg.num_prefill
                 and body.get("decode", {}).get("healthy") == self.cfg.num_decode
                 and self.live_tails() is not None and self.redis.port is not None and redis_pongs(self.redis.port))
+
+    def router_metric(self, name: str) -> float | None:
+        """Sum of a router metric's samples (None while the router does not answer)."""
+        try:
+            return _metric_sum(self.http.get(f"{self.url}/metrics").text, name)
+        except httpx.HTTPError:
+            return None
 
     def live_tails(self) -> float | None:
         try:

@@ -4,7 +4,8 @@ One stack (bench/fault_stack.py: store, 1 prefill + 2 decode workers through Red
 router) serves a small concurrent load (a few client streams of mixed short and long
 prompts, chat and completions, streamed and not) while each scenario in turn does one
 thing to it: kill -9 of a prefill engine, of a decode engine, of a decode worker's
-own process (its vLLM then shuts down on its own), of the KV store, of Redis; clients that hang up mid-stream; bad inputs. For every request a scenario
+own process (its vLLM then shuts down on its own), of the KV store, of Redis; a prefill engine
+whose core stops while its API server answers (SIGSTOP); clients that hang up mid-stream; bad inputs. For every request a scenario
 saw, the outcome is one of: a full answer; a clean OpenAI error (status >= 400 with a
 JSON `error` body, or an error event ending a stream); a hang (nothing within HANG_S);
 a 5xx without a JSON body; broken (cut stream, short answer, transport error); or an
@@ -25,6 +26,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import signal
 import socket
 import statistics
 import sys
@@ -42,6 +45,7 @@ from pdserve.bench.fault_stack import TAIL_TTL_S, FaultStack
 HANG_S = 300.0  # per request: only a request that really hangs gets near it
 RECOVERY_S = 900.0  # a restarted vLLM takes 35-170 s to start on 2 shared cores
 SETTLE_S = 3 * TAIL_TTL_S + 60.0  # leaks are read once this has passed or everything is at 0
+STALL_SEEN_S = 120.0  # the router's stall window under this load is 10-40 s on 2 cores
 KINDS = ("full", "error", "aborted", "hang", "5xx_nojson", "broken")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 WORDS = "the river runs past the old stone bridge where the miller counts his sacks of grain".split()
@@ -217,6 +221,25 @@ def kill_redis(fs: FaultStack) -> list[Outcome]:
     return []
 
 
+def hang_prefill_engine(fs: FaultStack, worker: str = "prefill-0", own: int = 2) -> list[Outcome]:
+    """SIGSTOP of a prefill engine's core, its API server left answering /health: the router's stall watch
+    must take the worker out and move its legs on. Once it has, `own` requests are sent one after the other
+    with the core still stopped, so each is answered without it (decode-only) or counts as a hang."""
+    stalls = fs.router_metric("pdserve_router_prefill_stalls_total") or 0.0
+    core = fs.signal_engine(worker, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        if not wait_until(lambda: (fs.router_metric("pdserve_router_prefill_stalls_total") or 0.0) > stalls,
+                          STALL_SEEN_S):
+            return [Outcome("hang", started, detail=f"the router saw no stall of {worker} in {STALL_SEEN_S:.0f} s")]
+        with httpx.Client() as client:
+            shape = SHAPES[1]  # a long prompt: it would get a prefill leg
+            return [send(client, fs.url, request_body(fs.model, shape, salt=80_000 + n), shape.route)
+                    for n in range(own)]
+    finally:
+        os.kill(core, signal.SIGCONT)
+
+
 def client_aborts(fs: FaultStack, clients: int = 4, each: int = 3) -> list[Outcome]:
     """Streams closed by their clients after a few chunks, long prompts (a handoff in flight) and short."""
     outcomes: list[Outcome] = []
@@ -291,6 +314,7 @@ SCENARIOS: tuple[tuple[str, Callable[[FaultStack], list[Outcome]]], ...] = (
     ("kill -9 kvstore", kill_store),
     ("kill -9 decode engine", killing("decode-1", FaultStack.kill_engine)),
     ("kill -9 prefill engine", killing("prefill-0", FaultStack.kill_engine)),
+    ("hung prefill engine", hang_prefill_engine),
     ("kill -9 decode worker", killing("decode-0", FaultStack.kill_worker)),
 )
 

@@ -39,6 +39,7 @@ from pdserve.router.pool import Pool, Worker
 from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.queue_view import QueueView
 from pdserve.router.requests import PATHS, RequestHead, Route, read_body, validate
+from pdserve.router.stall_watch import StallWatch
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 from pdserve.router.upstream import new_session
@@ -103,9 +104,16 @@ class Router:
             make_policy(self.cfg.decode_policy), self.legs_http, self.tokens, self.store, self.metrics, self.worker_headers,
             self.queue,
         )
+        self.stalls = (
+            StallWatch(self.prefill, self.queue.prefill, self.legs_http, self.http, self.worker_headers,
+                       self.cfg.prefill_stall_timeout, self.cfg.health_interval, self.metrics)
+            if self.cfg.prefill_stall_timeout > 0 else None
+        )
         if self.watcher is not None:
             await self.watcher.start()
         await self.health.start()
+        if self.stalls is not None:
+            self.stalls.start()
         if self.queue_view is not None:
             self.queue_view.start()
         if self.prefill.workers:  # token counts are needed only to decide about a prefill leg
@@ -124,6 +132,8 @@ class Router:
         if self.watcher is not None:
             await self.watcher.stop()
         await self.health.stop()
+        if self.stalls is not None:
+            await self.stalls.stop()
         if self.queue_view is not None:
             await self.queue_view.stop()
         await self.flow.drain()

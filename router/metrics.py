@@ -110,12 +110,18 @@ class RouterMetrics:
             "down after answering (its KV would never land); each request was served decode-only instead",
             registry=r,
         )
+        self.prefill_stalls = Counter(
+            "pdserve_router_prefill_stalls",
+            "Times a prefill worker held legs past its stall window without answering one: it left the pool "
+            "until a canary request was answered, and its legs moved on",
+            ["worker"], registry=r,
+        )
         self.queue_depth = Gauge(
             "pdserve_router_queue_depth", "Requests waiting for a free worker", ["role"], registry=r
         )
         self.inflight = Gauge("pdserve_router_inflight", "Requests in flight per worker", ["role", "worker"], registry=r)
         self.worker_healthy = Gauge(
-            "pdserve_router_worker_healthy", "1 when the worker takes requests (healthy, breaker closed)",
+            "pdserve_router_worker_healthy", "1 when the worker takes requests (healthy, not stalled, breaker closed)",
             ["role", "worker"], registry=r,
         )
         self._series: dict[tuple[object, tuple[str, ...]], object] = {}

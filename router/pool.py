@@ -54,6 +54,7 @@ class Worker:
     inflight_tokens: int = 0
     served: int = 0
     healthy: bool = False  # no request before the first health check passes
+    stalled: bool = False  # held legs without answering any (stall_watch.py): out until a canary is answered
     breaker: Breaker = field(
         default_factory=lambda: Breaker(RouterConfig.breaker_failures, RouterConfig.breaker_cooldown)
     )
@@ -70,7 +71,7 @@ class Worker:
         return self._models[1]
 
     def available(self, now: float) -> bool:
-        return self.healthy and self.breaker.closed(now)
+        return self.healthy and not self.stalled and self.breaker.closed(now)
 
     def serves(self, model: str | None) -> bool:
         models = self.models
@@ -195,6 +196,13 @@ class Pool:
             log.info("%s worker %s is %s", self.role, w.id, "up" if w.available(now) else "down")
             if w.available(now):
                 self._wake()
+
+    def set_stalled(self, w: Worker, stalled: bool) -> None:
+        """Take a worker that makes no progress out of the pool, or put it back (stall_watch.py)."""
+        w.stalled = stalled
+        self._publish(w)
+        if w.available(time.monotonic()):
+            self._wake()
 
     def _gauges(self, w: Worker) -> tuple[Gauge, Gauge]:
         """`w`'s (inflight, healthy) series, looked up once: they are set on every slot taken and released,

@@ -8,7 +8,7 @@ mixed short/long, chat/completions, streamed/not: no fault, bad inputs (malforme
 structured_outputs, huge top_k, streamed and not, JSON nested 5000 deep, a body that
 stops half-way), client aborts mid-stream, kill -9 of Redis, of the KV store, of a
 decode engine, of a prefill engine and of a decode worker's own process (its vLLM then
-shuts down on its own). Each scenario's row is asserted on: no hang,
+shuts down on its own), and a prefill engine whose core is stopped (SIGSTOP) while its API server answers. Each scenario's row is asserted on: no hang,
 no 5xx without a JSON body, no live tail after the TTL and no request left in any
 engine, and recovered (every part back, restarted ones included, and a normal request
 answered in full). Where nothing was killed, every answer is full or the expected error.
@@ -106,6 +106,13 @@ def test_every_bad_input_gets_a_clean_openai_error(suite: Suite) -> None:
     bad = suite.rows["bad inputs"]
     assert [o.kind for o in bad.own] == ["error"] * BAD_INPUTS, [(o.kind, o.detail) for o in bad.own]
     assert bad.counts["broken"] == 0, bad
+
+
+def test_a_hung_prefill_engine_is_left_and_requests_are_answered_without_it(suite: Suite) -> None:
+    """Its API server answers /health while its core is stopped: the router's stall watch takes it out, and
+    the two requests sent after that, with the core still stopped, are answered in full (decode-only)."""
+    hung = suite.rows["hung prefill engine"]
+    assert [o.kind for o in hung.own] == ["full", "full"], [(o.kind, o.detail) for o in hung.own]
 
 
 def test_client_aborts_break_no_other_request(suite: Suite) -> None:

@@ -136,7 +136,8 @@ class HeldPrefill:
     def __init__(self, stack: Stack) -> None:
         self.engine = stack.engine("kv_producer")
         self.router = start_router("--prefill", self.engine.url, "--decode", stack.decode.url,
-                                   "--api-key", API_KEY, "--pd-min-prompt-tokens", "0", "--health-interval", "600")
+                                   "--api-key", API_KEY, "--pd-min-prompt-tokens", "0", "--health-interval", "600",
+                                   "--prefill-stall-timeout", "0")  # a stopped engine's legs stay where they are
 
     def signal(self, sig: signal.Signals) -> None:
         os.killpg(self.engine.pid, sig)

@@ -60,8 +60,9 @@ def test_a_prefill_queue_sends_prompts_decode_only_and_tokens_stay_identical(pd_
     counts = parse_queue(urllib.request.urlopen(stack.prefill.url + "/metrics", timeout=30).read())
     assert counts is not None and (counts.running, counts.waiting) == (0, 0)
 
-    # Health checks far apart: a stopped engine must stay a candidate, so the queue decides.
-    router = pd_router(stack, "--pd-queue-poll-interval", "0.2", "--health-interval", "600")
+    # Health checks far apart and no stall watch: a stopped engine must stay a candidate, so the queue decides.
+    router = pd_router(stack, "--pd-queue-poll-interval", "0.2", "--health-interval", "600",
+                       "--prefill-stall-timeout", "0")
     stuck: list[threading.Thread] = []
     stuck_ids: dict[str, list[int]] = {}
     stopped = False

@@ -1,0 +1,131 @@
+"""Prefill workers that hold legs and make no progress: out of the pool, their legs moved, back once they answer.
+
+vLLM's API server answers /health (and /metrics) while its engine core makes no progress (a
+SIGSTOPped core, a hung kernel or collective): the health checks pass, and every prefill leg
+sent there waits for `--prefill-timeout` (minutes). Measured on the 2-core VM with the core
+stopped for 30 s under 12 streams: 7 of 12 requests waited for the thaw.
+
+So the router judges progress itself, from the legs it sends (prefill_estimate.TokenCost's
+open legs): a worker that has held legs for `--prefill-stall-timeout` seconds, and for
+STALL_FACTOR times what its open prompt tokens should take at the pool's learned speed, with
+none of them answered meanwhile, is stalled. It leaves the pool (Worker.stalled), and its open
+legs are cut (worker_http.py), so each request moves on as from a worker that failed: another
+prefill worker, or decode-only. Its server sees the clients leave and aborts those requests
+once its core runs again. A canary completion (one prompt token, one output token) goes to
+it every health interval; the first one answered puts it back.
+
+Until the pool has timed a leg there is no speed to judge by and no worker is judged, so a
+first prompt that is legitimately long is never cut for being first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pool import Pool, Worker
+from pdserve.router.prefill_estimate import TokenCost
+from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
+from pdserve.router.worker_http import WorkerHTTP
+
+log = logging.getLogger("pdserve.router.stall_watch")
+
+# How much longer than the learned speed says a worker may hold its open prompt tokens without
+# answering any: a batch of prompts ends together, and a loaded engine runs a few times slower
+# than the pool's recent mean, neither of which is a stall.
+STALL_FACTOR = 4.0
+CANARY_TIMEOUT_S = 30.0  # a stalled worker's canary: a one-token prompt, alone in its engine once the legs were cut
+
+
+class StallWatch:
+    def __init__(self, pool: Pool, cost: TokenCost, legs: WorkerHTTP, http: aiohttp.ClientSession,
+                 headers: dict[str, str], timeout_s: float, interval_s: float, metrics: RouterMetrics) -> None:
+        self.pool = pool
+        self.cost = cost  # the pool's learned speed and each worker's open legs
+        self.legs = legs  # the legs' client: cutting a worker's legs there moves them on
+        self.http = http
+        self.headers = headers
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s  # between canaries to a stalled worker
+        self.metrics = metrics
+        self._canaries: dict[Worker, asyncio.Task[bool]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def window(self, w: Worker) -> float | None:
+        """Seconds `w` may hold its open legs without answering one; None while the pool's speed is unknown."""
+        per_token = self.cost.per_token
+        if per_token is None:
+            return None
+        return max(self.timeout_s, STALL_FACTOR * self.cost.open_tokens(w) * per_token)
+
+    def check(self, now: float | None = None) -> list[Worker]:
+        """Judge every available prefill worker now; returns the ones found stalled (their legs cut)."""
+        now = time.perf_counter() if now is None else now
+        stalled = []
+        for w in list(self.pool.workers.values()):
+            if w.stalled:
+                continue
+            quiet, window = self.cost.quiet_for(w, now), self.window(w)
+            if quiet is None or window is None or quiet <= window:
+                continue
+            stalled.append(w)
+            self.pool.set_stalled(w, True)
+            self.metrics.prefill_stalls.labels(w.id).inc()
+            cut = self.legs.cut(w.url, f"prefill worker {w.url} answered no leg for {quiet:.1f} s")
+            log.warning("prefill worker %s answered none of its legs for %.1f s (window %.1f s): out of the pool "
+                        "until a canary request is answered; moved %d leg(s) on", w.id, quiet, window, cut)
+        return stalled
+
+    async def canary(self, w: Worker) -> bool:
+        """One tiny completion on `w`; True (and `w` back in the pool) when it was answered."""
+        body: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "temperature": 0.0}
+        if w.models:
+            body["model"] = min(w.models)
+        try:
+            async with self.http.post(w.url + "/v1/completions", json=body, headers=self.headers,
+                                      timeout=aiohttp.ClientTimeout(total=CANARY_TIMEOUT_S)) as resp:
+                await resp.read()
+                answered = resp.status == 200
+        except SIDE_REQUEST_ERRORS as exc:
+            log.debug("canary on stalled prefill worker %s failed: %s", w.id, describe(exc))
+            return False
+        if answered and self.pool.workers.get(w.id) is w:
+            self.pool.set_stalled(w, False)
+            log.warning("prefill worker %s answered a canary request: back in the pool", w.id)
+        return answered
+
+    def _send_canaries(self) -> None:
+        for w in list(self.pool.workers.values()):
+            if w.stalled and w not in self._canaries:
+                task = self._canaries[w] = asyncio.create_task(self.canary(w))
+                task.add_done_callback(self._canary_done)
+
+    def _canary_done(self, task: "asyncio.Task[bool]") -> None:
+        for w, t in list(self._canaries.items()):
+            if t is task:
+                del self._canaries[w]
+
+    async def _loop(self) -> None:
+        # Half a second between checks is well inside any window worth judging (at least a few seconds);
+        # canaries go out once per health interval.
+        next_canaries = 0.0
+        while True:
+            await asyncio.sleep(min(0.5, self.timeout_s / 4))
+            self.check()
+            if time.monotonic() >= next_canaries:
+                self._send_canaries()
+                next_canaries = time.monotonic() + self.interval_s
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="prefill-stall-watch")
+
+    async def stop(self) -> None:
+        tasks: list[asyncio.Task[Any]] = [t for t in [self._task, *self._canaries.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
