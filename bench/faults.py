@@ -4,14 +4,15 @@ One stack (bench/fault_stack.py: store, 1 prefill + 2 decode workers through Red
 router) serves a small concurrent load (a few client streams of mixed short and long
 prompts, chat and completions, streamed and not) while each scenario in turn does one
 thing to it: kill -9 of a prefill engine, of a decode engine, of a decode worker's
-own process (its vLLM then shuts down on its own), of the KV store, of Redis; a prefill engine
-whose core stops while its API server answers (SIGSTOP); clients that hang up mid-stream; bad inputs. For every request a scenario
+own process (its vLLM then shuts down on its own), of the KV store, of Redis; a prefill and a
+decode engine whose core stops while its API server answers (SIGSTOP); clients that hang up mid-stream; bad inputs. For every request a scenario
 saw, the outcome is one of: a full answer; a clean OpenAI error (status >= 400 with a
 JSON `error` body, or an error event ending a stream); a hang (nothing within HANG_S);
 a 5xx without a JSON body; broken (cut stream, short answer, transport error); or an
 abort the client made on purpose. After the load stops, the scenario waits out the
-store's tail TTL and reads the leaks: live request tails on the store's /stats, and
-vLLM's running + waiting requests on every engine. A scenario has recovered when every
+store's tail TTL and reads the leaks: live request tails on the store's /stats,
+vLLM's running + waiting requests on every engine, and the router's slots (requests it
+counts in flight on a worker, or queued for one). A scenario has recovered when every
 part is back (restarted ones included) and a normal request gets a full answer.
 
 `tests/test_faults_suite.py` runs `run_scenarios` and asserts on the rows it returns.
@@ -45,7 +46,7 @@ from pdserve.bench.fault_stack import TAIL_TTL_S, FaultStack
 HANG_S = 300.0  # per request: only a request that really hangs gets near it
 RECOVERY_S = 900.0  # a restarted vLLM takes 35-170 s to start on 2 shared cores
 SETTLE_S = 3 * TAIL_TTL_S + 60.0  # leaks are read once this has passed or everything is at 0
-STALL_SEEN_S = 120.0  # the router's stall window under this load is 10-40 s on 2 cores
+STALL_SEEN_S = 180.0  # the router's stall windows under this load: 10-40 s (prefill), 30-60 s (decode) on 2 cores
 KINDS = ("full", "error", "aborted", "hang", "5xx_nojson", "broken")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 WORDS = "the river runs past the old stone bridge where the miller counts his sacks of grain".split()
@@ -221,23 +222,26 @@ def kill_redis(fs: FaultStack) -> list[Outcome]:
     return []
 
 
-def hang_prefill_engine(fs: FaultStack, worker: str = "prefill-0", own: int = 2) -> list[Outcome]:
-    """SIGSTOP of a prefill engine's core, its API server left answering /health: the router's stall watch
-    must take the worker out and move its legs on. Once it has, `own` requests are sent one after the other
-    with the core still stopped, so each is answered without it (decode-only) or counts as a hang."""
-    stalls = fs.router_metric("pdserve_router_prefill_stalls_total") or 0.0
-    core = fs.signal_engine(worker, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        if not wait_until(lambda: (fs.router_metric("pdserve_router_prefill_stalls_total") or 0.0) > stalls,
-                          STALL_SEEN_S):
-            return [Outcome("hang", started, detail=f"the router saw no stall of {worker} in {STALL_SEEN_S:.0f} s")]
-        with httpx.Client() as client:
-            shape = SHAPES[1]  # a long prompt: it would get a prefill leg
-            return [send(client, fs.url, request_body(fs.model, shape, salt=80_000 + n), shape.route)
-                    for n in range(own)]
-    finally:
-        os.kill(core, signal.SIGCONT)
+def hanging(worker: str, own: int = 2) -> Callable[[FaultStack], list[Outcome]]:
+    """A fault that stops `worker`'s engine core (SIGSTOP), its API server left answering /health: the router's
+    stall watch must take the worker out and move its requests on. Once it has, `own` requests are sent one
+    after the other with the core still stopped, so each is answered without it or counts as a hang."""
+    def fault(fs: FaultStack) -> list[Outcome]:
+        stalls = fs.router_metric("pdserve_router_stalls_total") or 0.0
+        core = fs.signal_engine(worker, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            if not wait_until(lambda: (fs.router_metric("pdserve_router_stalls_total") or 0.0) > stalls,
+                              STALL_SEEN_S):
+                return [Outcome("hang", started, detail=f"the router saw no stall of {worker} in {STALL_SEEN_S:.0f} s")]
+            with httpx.Client() as client:
+                shape = SHAPES[1]  # a long prompt: it would get a prefill leg
+                return [send(client, fs.url, request_body(fs.model, shape, salt=80_000 + n), shape.route)
+                        for n in range(own)]
+        finally:
+            os.kill(core, signal.SIGCONT)
+
+    return fault
 
 
 def client_aborts(fs: FaultStack, clients: int = 4, each: int = 3) -> list[Outcome]:
@@ -314,7 +318,8 @@ SCENARIOS: tuple[tuple[str, Callable[[FaultStack], list[Outcome]]], ...] = (
     ("kill -9 kvstore", kill_store),
     ("kill -9 decode engine", killing("decode-1", FaultStack.kill_engine)),
     ("kill -9 prefill engine", killing("prefill-0", FaultStack.kill_engine)),
-    ("hung prefill engine", hang_prefill_engine),
+    ("hung prefill engine", hanging("prefill-0")),
+    ("hung decode engine", hanging("decode-1")),
     ("kill -9 decode worker", killing("decode-0", FaultStack.kill_worker)),
 )
 
@@ -330,19 +335,23 @@ class Row:
     details: Counter = field(default_factory=Counter)  # "kind: detail" of every answer that was not full
     live_tails: float | None = None  # after the tail TTL; None: the store did not answer
     engine_requests: float | None = None  # running + waiting, all engines; None: one did not answer
+    router_slots: float | None = None  # requests the router counts in flight on workers or queued; None: no answer
     recovered: bool = False
     seconds: float = 0.0
 
     @property
     def leaked(self) -> bool:
-        return self.live_tails != 0 or self.engine_requests != 0
+        return self.live_tails != 0 or self.engine_requests != 0 or self.router_slots != 0
 
 
-def _leaks(fs: FaultStack) -> tuple[float | None, float | None]:
+def _leaks(fs: FaultStack) -> tuple[float | None, float | None, float | None]:
+    """(live tails on the store, requests in the engines, the router's slots held or queued for)."""
     tails = fs.live_tails()
     per_engine = fs.engine_requests().values()
     engines = None if None in per_engine else sum(per_engine)  # type: ignore[arg-type]
-    return tails, engines
+    inflight, queued = fs.router_metric("pdserve_router_inflight"), fs.router_metric("pdserve_router_queue_depth")
+    slots = None if inflight is None or queued is None else inflight + queued
+    return tails, engines, slots
 
 
 def run_scenario(fs: FaultStack, name: str, fault: Callable[[FaultStack], list[Outcome]], streams: int = 4) -> Row:
@@ -355,8 +364,8 @@ def run_scenario(fs: FaultStack, name: str, fault: Callable[[FaultStack], list[O
         back_at = time.monotonic()
         answering = wait_until(lambda: load.full_since(back_at) >= 2, HANG_S)
     stopped = time.monotonic()
-    wait_until(lambda: time.monotonic() - stopped > TAIL_TTL_S + 2 and _leaks(fs) == (0, 0), SETTLE_S)
-    row.live_tails, row.engine_requests = _leaks(fs)
+    wait_until(lambda: time.monotonic() - stopped > TAIL_TTL_S + 2 and _leaks(fs) == (0, 0, 0), SETTLE_S)
+    row.live_tails, row.engine_requests, row.router_slots = _leaks(fs)
     row.own = own
     row.counts = Counter(o.kind for o in load.outcomes + own)
     row.details = Counter(f"{o.kind}: {o.detail}" for o in load.outcomes + own if o.kind != "full")
@@ -384,9 +393,9 @@ def _fmt(value: float | None) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    head = ["scenario", *KINDS, "tails", "engine_reqs", "recovered", "s"]
+    head = ["scenario", *KINDS, "tails", "engine_reqs", "router_slots", "recovered", "s"]
     lines = [[r.scenario, *(str(r.counts.get(k, 0)) for k in KINDS), _fmt(r.live_tails), _fmt(r.engine_requests),
-              "yes" if r.recovered else "NO", f"{r.seconds:.0f}"] for r in rows]
+              _fmt(r.router_slots), "yes" if r.recovered else "NO", f"{r.seconds:.0f}"] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *lines)]
     out = ["  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(line, widths)))
            for line in [head, *lines]]

@@ -104,16 +104,18 @@ class Router:
             make_policy(self.cfg.decode_policy), self.legs_http, self.tokens, self.store, self.metrics, self.worker_headers,
             self.queue,
         )
-        self.stalls = (
-            StallWatch(self.prefill, self.queue.prefill, self.legs_http, self.http, self.worker_headers,
-                       self.cfg.prefill_stall_timeout, self.cfg.health_interval, self.metrics)
-            if self.cfg.prefill_stall_timeout > 0 else None
-        )
+        self.stalls = [
+            StallWatch(pool, cost, self.legs_http, self.http, self.worker_headers, timeout_s, self.cfg.health_interval,
+                       self.metrics)
+            for pool, cost, timeout_s in ((self.prefill, self.queue.prefill, self.cfg.prefill_stall_timeout),
+                                          (self.decode, self.queue.recompute, self.cfg.decode_stall_timeout))
+            if timeout_s > 0
+        ]
         if self.watcher is not None:
             await self.watcher.start()
         await self.health.start()
-        if self.stalls is not None:
-            self.stalls.start()
+        for watch in self.stalls:
+            watch.start()
         if self.queue_view is not None:
             self.queue_view.start()
         if self.prefill.workers:  # token counts are needed only to decide about a prefill leg
@@ -132,8 +134,8 @@ class Router:
         if self.watcher is not None:
             await self.watcher.stop()
         await self.health.stop()
-        if self.stalls is not None:
-            await self.stalls.stop()
+        for watch in self.stalls:
+            await watch.stop()
         if self.queue_view is not None:
             await self.queue_view.stop()
         await self.flow.drain()

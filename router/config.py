@@ -58,10 +58,11 @@ class RouterConfig:
     queue_timeout: float = 30.0
     retry_after_s: int = 1
     prefill_timeout: float = 300.0
-    # a prefill worker holding legs this long (and STALL_FACTOR times what their tokens should take) without
-    # answering one is stalled: out of the pool until a canary is answered, its legs moved on (stall_watch.py);
-    # 0 turns the watch off
+    # a worker holding legs this long (and STALL_FACTOR times what their prompt tokens should take) without a
+    # byte on any is stalled: out of the pool until a canary is answered, its legs moved on (stall_watch.py);
+    # 0 turns a pool's watch off. Decode waits longer: its legs may wait for KV while a prefill runs
     prefill_stall_timeout: float = 10.0
+    decode_stall_timeout: float = 30.0
     decode_timeout: float = 600.0
     connect_timeout: float = 5.0
     health_interval: float = 2.0
@@ -87,8 +88,10 @@ class RouterConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_queue < 0 or self.pd_min_prompt_tokens < 0 or self.prefill_stall_timeout < 0:
-            raise ValueError("max_queue, pd_min_prompt_tokens and prefill_stall_timeout must not be negative")
+        nonnegative = ("max_queue", "pd_min_prompt_tokens", "prefill_stall_timeout", "decode_stall_timeout")
+        for name in nonnegative:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if not 0.0 < self.pd_max_cached_fraction <= 1.0:
             raise ValueError(f"pd_max_cached_fraction must be in (0, 1], got {self.pd_max_cached_fraction}")
 
@@ -143,10 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-timeout", type=float, default=d["queue_timeout"].default,
                    help="seconds a queued request waits before 429")
     p.add_argument("--prefill-timeout", type=float, default=d["prefill_timeout"].default)
-    p.add_argument("--prefill-stall-timeout", type=float, default=d["prefill_stall_timeout"].default,
-                   help="a prefill worker that holds legs this many seconds (and 4x what their prompt tokens "
-                        "should take at the learned speed) without answering one leaves the pool until a canary "
-                        "request is answered; its legs go to another worker or decode-only (0: off)")
+    for leg in ("prefill", "decode"):
+        p.add_argument(f"--{leg}-stall-timeout", type=float, default=d[f"{leg}_stall_timeout"].default,
+                       help=f"a {leg} worker that holds requests this many seconds (and 4x what their prompt tokens "
+                            "should take at the learned speed) without sending a byte on any leaves the pool until "
+                            "a canary request is answered; its requests move on (0: off)")
     p.add_argument("--decode-timeout", type=float, default=d["decode_timeout"].default,
                    help="seconds without a byte from the decode worker before the leg fails")
     p.add_argument("--health-interval", type=float, default=d["health_interval"].default)
@@ -194,6 +198,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             queue_timeout=a.queue_timeout,
             prefill_timeout=a.prefill_timeout,
             prefill_stall_timeout=a.prefill_stall_timeout,
+            decode_stall_timeout=a.decode_stall_timeout,
             decode_timeout=a.decode_timeout,
             health_interval=a.health_interval,
             breaker_failures=a.breaker_failures,

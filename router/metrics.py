@@ -110,11 +110,11 @@ class RouterMetrics:
             "down after answering (its KV would never land); each request was served decode-only instead",
             registry=r,
         )
-        self.prefill_stalls = Counter(
-            "pdserve_router_prefill_stalls",
-            "Times a prefill worker held legs past its stall window without answering one: it left the pool "
-            "until a canary request was answered, and its legs moved on",
-            ["worker"], registry=r,
+        self.stalls = Counter(
+            "pdserve_router_stalls",
+            "Times a worker held requests past its stall window without sending a byte on any: it left the "
+            "pool until a canary request was answered, and its requests moved on (stall_watch.py)",
+            ["role", "worker"], registry=r,
         )
         self.queue_depth = Gauge(
             "pdserve_router_queue_depth", "Requests waiting for a free worker", ["role"], registry=r

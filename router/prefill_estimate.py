@@ -131,18 +131,6 @@ class TokenCost:
             legs.remove(tokens)
             self.observe(w, tokens, t_sent, time.perf_counter(), timing.ok, timing.backlog)
 
-    def open_tokens(self, w: Worker) -> int:
-        """Prompt tokens of the legs open on `w`."""
-        return sum(self._open.get(w, ()))
-
-    def quiet_for(self, w: Worker, now: float) -> float | None:
-        """Seconds `w` has held open legs without ending any (since its busy stretch began or its last leg
-        ended, whichever is later); None when it holds none."""
-        if not self._open.get(w):
-            return None
-        began = self._busy_since[w]
-        return now - max(began, self._last_end.get(w, began))
-
     def served_since_busy(self, w: Worker, now: float) -> float:
         """Prompt tokens `w` has served of its open legs: its time since the current busy stretch began
         (or its last leg ended, if later) at this pool's speed. No open leg has ended since, so at most
@@ -150,7 +138,9 @@ class TokenCost:
         per_token, legs = self.per_token, self._open.get(w)
         if not legs or not per_token:
             return 0.0
-        return min(float(max(legs)), max(0.0, self.quiet_for(w, now) or 0.0) / per_token)
+        began = self._busy_since[w]
+        began = max(began, self._last_end.get(w, began))
+        return min(float(max(legs)), max(0.0, now - began) / per_token)
 
 
 @dataclass

@@ -1,21 +1,26 @@
-"""Prefill workers that hold legs and make no progress: out of the pool, their legs moved, back once they answer.
+"""Workers that hold legs and send nothing: out of the pool, their legs moved on, back once they answer.
 
 vLLM's API server answers /health (and /metrics) while its engine core makes no progress (a
-SIGSTOPped core, a hung kernel or collective): the health checks pass, and every prefill leg
-sent there waits for `--prefill-timeout` (minutes). Measured on the 2-core VM with the core
-stopped for 30 s under 12 streams: 7 of 12 requests waited for the thaw.
+SIGSTOPped core, a hung kernel or collective): the health checks pass, and every leg sent
+there waits for `--prefill-timeout` or the decode leg's read timeout (minutes). Measured on the
+2-core VM with a prefill engine's core stopped for 30 s under 12 streams: 7 of 12 requests
+waited for the thaw; a real hang has none.
 
-So the router judges progress itself, from the legs it sends (prefill_estimate.TokenCost's
-open legs): a worker that has held legs for `--prefill-stall-timeout` seconds, and for
-STALL_FACTOR times what its open prompt tokens should take at the pool's learned speed, with
-none of them answered meanwhile, is stalled. It leaves the pool (Worker.stalled), and its open
-legs are cut (worker_http.py), so each request moves on as from a worker that failed: another
-prefill worker, or decode-only. Its server sees the clients leave and aborts those requests
-once its core runs again. A canary completion (one prompt token, one output token) goes to
-it every health interval; the first one answered puts it back.
+So the router judges progress itself, from the bytes of the legs it has open on a worker
+(worker_http.py): a worker that has held legs for its pool's stall timeout, and for
+STALL_FACTOR times what the prompt tokens it holds should take at the pool's learned speed,
+with not a byte from any of them meanwhile, is stalled. It leaves the pool (Worker.stalled),
+and its open legs are cut as for a worker found dead: a prefill leg moves to another prefill
+worker or decode-only, a decode leg before its first token to another decode worker, a stream
+that has shown tokens ends with an error event. Its server sees the clients leave and aborts
+those requests once its core runs again. A canary completion (one prompt token, one output
+token) goes to it every health interval; the first one answered puts it back.
 
-Until the pool has timed a leg there is no speed to judge by and no worker is judged, so a
-first prompt that is legitimately long is never cut for being first.
+The speed is the pool's own (prefill_estimate.TokenCost: prefill legs, or decode-only
+recomputes): until the pool has one nothing is judged, so a first prompt that is legitimately
+long is never cut for being first. A decode stream shows progress with every token; what
+makes a decode worker quiet for long is a prompt it recomputes, or a leg waiting for its KV
+while the prefill runs, and both scale with the prompt tokens it holds.
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ CANARY_TIMEOUT_S = 30.0  # a stalled worker's canary: a one-token prompt, alone 
 
 
 class StallWatch:
+    """The watch over one pool."""
+
     def __init__(self, pool: Pool, cost: TokenCost, legs: WorkerHTTP, http: aiohttp.ClientSession,
                  headers: dict[str, str], timeout_s: float, interval_s: float, metrics: RouterMetrics) -> None:
         self.pool = pool
-        self.cost = cost  # the pool's learned speed and each worker's open legs
-        self.legs = legs  # the legs' client: cutting a worker's legs there moves them on
+        self.cost = cost  # the pool's learned speed per prompt token
+        self.legs = legs  # the legs' client: when each worker last sent a byte, and cutting its legs
         self.http = http
         self.headers = headers
         self.timeout_s = timeout_s
@@ -57,28 +64,28 @@ class StallWatch:
         self._task: asyncio.Task[None] | None = None
 
     def window(self, w: Worker) -> float | None:
-        """Seconds `w` may hold its open legs without answering one; None while the pool's speed is unknown."""
+        """Seconds `w` may hold its legs without a byte; None while the pool's speed is unknown."""
         per_token = self.cost.per_token
         if per_token is None:
             return None
-        return max(self.timeout_s, STALL_FACTOR * self.cost.open_tokens(w) * per_token)
+        return max(self.timeout_s, STALL_FACTOR * w.inflight_tokens * per_token)
 
-    def check(self, now: float | None = None) -> list[Worker]:
-        """Judge every available prefill worker now; returns the ones found stalled (their legs cut)."""
-        now = time.perf_counter() if now is None else now
+    def check(self) -> list[Worker]:
+        """Judge every worker of the pool now; returns the ones found stalled (their legs cut)."""
         stalled = []
         for w in list(self.pool.workers.values()):
             if w.stalled:
                 continue
-            quiet, window = self.cost.quiet_for(w, now), self.window(w)
+            quiet, window = self.legs.quiet_for(w.url), self.window(w)
             if quiet is None or window is None or quiet <= window:
                 continue
             stalled.append(w)
             self.pool.set_stalled(w, True)
-            self.metrics.prefill_stalls.labels(w.id).inc()
-            cut = self.legs.cut(w.url, f"prefill worker {w.url} answered no leg for {quiet:.1f} s")
-            log.warning("prefill worker %s answered none of its legs for %.1f s (window %.1f s): out of the pool "
-                        "until a canary request is answered; moved %d leg(s) on", w.id, quiet, window, cut)
+            self.metrics.stalls.labels(w.role, w.id).inc()
+            cut = self.legs.cut(w.url, f"{w.role} worker {w.url} sent nothing on its requests for {quiet:.1f} s")
+            log.warning("%s worker %s sent nothing on any of its requests for %.1f s (window %.1f s): out of the "
+                        "pool until a canary request is answered; moved %d request(s) on",
+                        w.role, w.id, quiet, window, cut)
         return stalled
 
     async def canary(self, w: Worker) -> bool:
@@ -92,11 +99,11 @@ class StallWatch:
                 await resp.read()
                 answered = resp.status == 200
         except SIDE_REQUEST_ERRORS as exc:
-            log.debug("canary on stalled prefill worker %s failed: %s", w.id, describe(exc))
+            log.debug("canary on stalled %s worker %s failed: %s", w.role, w.id, describe(exc))
             return False
         if answered and self.pool.workers.get(w.id) is w:
             self.pool.set_stalled(w, False)
-            log.warning("prefill worker %s answered a canary request: back in the pool", w.id)
+            log.warning("%s worker %s answered a canary request: back in the pool", w.role, w.id)
         return answered
 
     def _send_canaries(self) -> None:
@@ -122,7 +129,7 @@ class StallWatch:
                 next_canaries = time.monotonic() + self.interval_s
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="prefill-stall-watch")
+        self._task = asyncio.create_task(self._loop(), name=f"{self.pool.role}-stall-watch")
 
     async def stop(self) -> None:
         tasks: list[asyncio.Task[Any]] = [t for t in [self._task, *self._canaries.values()] if t is not None]

@@ -54,6 +54,13 @@ class _Target(NamedTuple):
     head: bytes  # the request line and Host header
 
 
+def _worker_key(url: str) -> tuple[str, int, bool]:
+    """(host, port, TLS) of a worker's base URL: what its connections are filed under."""
+    parts = urlsplit(url)
+    tls = parts.scheme == "https"
+    return parts.hostname or "", parts.port or (443 if tls else 80), tls
+
+
 def _target(url: str) -> _Target:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -430,17 +437,23 @@ class WorkerHTTP:
             if not live:
                 del self._open[conn.key]
 
+    def quiet_for(self, url: str) -> float | None:
+        """Seconds since the worker at `url` (its base URL) last sent a byte of any response open on it (or
+        since the latest of them was sent, if later); None when none is open. A response whose socket is
+        paused counts as heard now: its silence is its slow reader's, not the worker's."""
+        now = asyncio.get_running_loop().time()
+        heard = [now if conn.paused else conn.response._heard
+                 for conn in self._open.get(_worker_key(url), ()) if conn.response is not None]
+        return now - max(heard) if heard else None
+
     def cut(self, url: str, reason: str) -> int:
         """End every response open on the worker at `url` (its base URL) with a hard failure and drop its
-        connections, idle ones too; returns how many responses were open. For a worker found dead: what
-        reads from it then fails as if the worker had closed the connection (retried before a stream's
-        first token, an error event after it), and the worker's server, if any of it is left, sees
-        its clients leave and aborts their requests."""
-        parts = urlsplit(url)
-        tls = parts.scheme == "https"
-        key = (parts.hostname or "", parts.port or (443 if tls else 80), tls)
+        connections, idle ones too; returns how many responses were open. For a worker found dead or
+        stalled: what reads from it then fails as if the worker had closed the connection (retried before
+        a stream's first token, an error event after it), and the worker's server, if any of it is left,
+        sees its clients leave and aborts their requests."""
         cut = 0
-        for conn in list(self._open.get(key, ())):
+        for conn in list(self._open.get(_worker_key(url), ())):
             response = conn.response
             if response is not None:
                 response._cut(reason)

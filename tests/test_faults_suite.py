@@ -8,9 +8,10 @@ mixed short/long, chat/completions, streamed/not: no fault, bad inputs (malforme
 structured_outputs, huge top_k, streamed and not, JSON nested 5000 deep, a body that
 stops half-way), client aborts mid-stream, kill -9 of Redis, of the KV store, of a
 decode engine, of a prefill engine and of a decode worker's own process (its vLLM then
-shuts down on its own), and a prefill engine whose core is stopped (SIGSTOP) while its API server answers. Each scenario's row is asserted on: no hang,
-no 5xx without a JSON body, no live tail after the TTL and no request left in any
-engine, and recovered (every part back, restarted ones included, and a normal request
+shuts down on its own), and a prefill and a decode engine whose core is stopped (SIGSTOP) while its API
+server answers. Each scenario's row is asserted on: no hang,
+no 5xx without a JSON body, no live tail after the TTL, no request left in any
+engine or counted in flight by the router, and recovered (every part back, restarted ones included, and a normal request
 answered in full). Where nothing was killed, every answer is full or the expected error.
 The whole run is one module fixture: the engines start once.
 """
@@ -89,6 +90,7 @@ def test_no_hang_no_bare_5xx_no_leak_and_recovered(suite: Suite, name: str) -> N
     assert row.counts["5xx_nojson"] == 0, row
     assert row.live_tails == 0, f"request tails still live on the store after the TTL: {row}"
     assert row.engine_requests == 0, f"requests left running or waiting in an engine: {row}"
+    assert row.router_slots == 0, f"the router still counts requests in flight or queued: {row}"
     assert row.recovered, row
     assert row.counts["full"] > 0, row
 
@@ -108,10 +110,11 @@ def test_every_bad_input_gets_a_clean_openai_error(suite: Suite) -> None:
     assert bad.counts["broken"] == 0, bad
 
 
-def test_a_hung_prefill_engine_is_left_and_requests_are_answered_without_it(suite: Suite) -> None:
+@pytest.mark.parametrize("name", ["hung prefill engine", "hung decode engine"])
+def test_a_hung_engine_is_left_and_requests_are_answered_without_it(suite: Suite, name: str) -> None:
     """Its API server answers /health while its core is stopped: the router's stall watch takes it out, and
-    the two requests sent after that, with the core still stopped, are answered in full (decode-only)."""
-    hung = suite.rows["hung prefill engine"]
+    the two requests sent after that, with the core still stopped, are answered in full without it."""
+    hung = suite.rows[name]
     assert [o.kind for o in hung.own] == ["full", "full"], [(o.kind, o.detail) for o in hung.own]
 
 

@@ -71,7 +71,7 @@ def test_a_stalled_prefill_engine_leaves_the_pool_its_leg_goes_decode_only_and_i
         held = long_prompt(120, seed=82)
         held_ids = complete(router.url, model, held, timeout=120)  # no thaw comes until it is answered
         assert stopped(core)
-        assert metric(router.url, "pdserve_router_prefill_stalls_total") == 1
+        assert metric(router.url, "pdserve_router_stalls_total", {"role": "prefill"}) == 1
         assert path_count(router.url, "decode_only_prefill_failed") == 1
         assert prefill_available(router.url) == 0
 
@@ -84,7 +84,7 @@ def test_a_stalled_prefill_engine_leaves_the_pool_its_leg_goes_decode_only_and_i
         os.kill(core, signal.SIGCONT)
         frozen = False
         wait_until(lambda: prefill_available(router.url) == 1, timeout=120, what="a canary to put the worker back")
-        assert metric(router.url, "pdserve_router_prefill_stalls_total") == 1
+        assert metric(router.url, "pdserve_router_stalls_total") == 1  # and none of the decode worker
 
         # P/D again for a new prompt (the decode engine, a kv_both, stored the ones it recomputed), and every
         # answer is the prefill engine's own, token for token (a kv_producer recomputes).

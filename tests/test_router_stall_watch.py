@@ -1,7 +1,7 @@
-"""The stall watch on its own (fast tier): when a prefill worker counts as stalled, what happens to its
-legs, and how a canary puts it back. A real WorkerHTTP leg and canary over loopback to an aiohttp stub
-worker that holds completions until released; the pool's speed is set by hand (one observed leg).
-The whole feature on a real engine whose core is stopped: test_router_prefill_stall.py."""
+"""The stall watch on its own (fast tier): when a worker counts as stalled, what happens to its legs, how a
+canary puts it back, and that a slow reader's silence is not the worker's. Real WorkerHTTP legs and canaries
+over loopback to aiohttp stub workers; the pool's speed is set by hand (one observed leg). The whole feature
+on a real engine whose core is stopped: test_router_prefill_stall.py and bench faults' hung engines."""
 
 from __future__ import annotations
 
@@ -18,69 +18,89 @@ from pdserve.router.pool import Pool, Worker
 from pdserve.router.prefill_estimate import TokenCost
 from pdserve.router.stall_watch import STALL_FACTOR, StallWatch
 from pdserve.router.upstream import is_hard_failure
-from pdserve.router.worker_http import WorkerHTTP
+from pdserve.router.worker_http import HIGH_WATER, WorkerHTTP
 from worker_stubs import healthy, listening, serves_stub, worker_app
 
-WINDOW_S = 0.3
+TIMEOUT_S = 0.3
+NO_TIMEOUT = aiohttp.ClientTimeout(total=60)
 
 
 class HeldWorker:
-    """Completions wait until `release` is set; `bodies` records what came."""
+    """Completions wait until `release` is set (after `lead` body bytes when it streams); `bodies` records
+    what came."""
 
-    def __init__(self) -> None:
+    def __init__(self, lead: int = 0) -> None:
         self.release = asyncio.Event()
         self.bodies: list[dict] = []
+        self.lead = lead
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        if not self.lead:
+            await self.release.wait()
+            return web.json_response({"choices": [{"text": "x"}]})
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"x" * self.lead)
         await self.release.wait()
-        return web.json_response({"choices": [{"text": "x"}]})
+        await resp.write_eof()
+        return resp
 
 
 def one_worker_pool(url: str) -> tuple[Pool, Worker]:
-    pool = Pool("prefill", RouterConfig(decode_urls=("http://d",)), RouterMetrics())
+    pool = Pool("decode", RouterConfig(decode_urls=("http://d",)), RouterMetrics())
     pool.add_static([url])
     (w,) = pool.workers.values()
     w.healthy = True
     w.model_cards = [{"id": "stub"}]
+    w.inflight_tokens = 100  # what the pool's slots would count for the legs below
     return pool, w
 
 
-async def test_a_worker_quiet_past_its_window_is_stalled_its_leg_cut_and_a_canary_puts_it_back() -> None:
+def learned(cost: TokenCost, w: Worker) -> None:
+    """One finished leg of 1000 tokens in 1 s: 1 ms a token."""
+    t = time.perf_counter()
+    cost.observe(w, 1000, t - 1.0, t)
+
+
+async def wait_for(cond, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(1000):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no {what}")
+
+
+async def test_a_quiet_worker_is_stalled_its_legs_cut_and_a_canary_puts_it_back() -> None:
     held = HeldWorker()
     async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
         pool, w = one_worker_pool(url)
         cost, legs = TokenCost(), WorkerHTTP()
         async with aiohttp.ClientSession() as http:
-            watch = StallWatch(pool, cost, legs, http, {}, WINDOW_S, 1.0, pool.metrics)
+            watch = StallWatch(pool, cost, legs, http, {}, TIMEOUT_S, 1.0, pool.metrics)
 
             async def leg() -> None:
-                with cost.leg(w, 100):
-                    async with legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={},
-                                         timeout=aiohttp.ClientTimeout(total=60)) as resp:
-                        await resp.read()
+                async with legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={},
+                                     timeout=NO_TIMEOUT) as resp:
+                    await resp.read()
 
             task = asyncio.create_task(leg())
-            while not held.bodies:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(2 * WINDOW_S)
+            await wait_for(lambda: held.bodies, "leg at the worker")
+            await asyncio.sleep(2 * TIMEOUT_S)
             assert watch.check() == []  # no speed learned yet: nothing is judged
             assert not task.done()
 
-            t = time.perf_counter()
-            cost.observe(w, 1000, t - 1.0, t)  # a finished leg elsewhere in time: 1 ms a token
-            assert watch.window(w) == pytest.approx(max(WINDOW_S, STALL_FACTOR * 100 * 1e-3))
-            assert watch.check(now=t) == []  # its end counts as progress: quiet again from now
-            assert watch.check(now=t + 2 * WINDOW_S) == [w]
+            learned(cost, w)
+            assert watch.window(w) == pytest.approx(max(TIMEOUT_S, STALL_FACTOR * 100 * 1e-3))
+            assert watch.check() == [w]
             with pytest.raises(Exception) as err:
                 await task
             assert is_hard_failure(err.value)  # as from a worker that went away: the leg moves on
             assert w.stalled and pool.candidates(None) == []
-            assert watch.check(now=t + 10.0) == []  # judged once
+            assert watch.check() == []  # judged once
 
             canary = asyncio.create_task(watch.canary(w))
-            while len(held.bodies) < 2:
-                await asyncio.sleep(0.01)
+            await wait_for(lambda: len(held.bodies) == 2, "canary at the worker")
             assert held.bodies[-1] == {"prompt": [0], "max_tokens": 1, "temperature": 0.0, "model": "stub"}
             assert not canary.done() and w.stalled  # no answer, no return
             held.release.set()
@@ -89,13 +109,33 @@ async def test_a_worker_quiet_past_its_window_is_stalled_its_leg_cut_and_a_canar
         await legs.close()
 
 
-async def test_a_window_grows_with_the_tokens_a_worker_holds() -> None:
+async def test_a_leg_paused_for_its_slow_reader_keeps_the_worker_in() -> None:
+    """A client that stops reading its stream pauses the router's socket to the worker: that silence is the
+    client's, and must not take out the worker and cut every other stream on it."""
+    held = HeldWorker(lead=4 * HIGH_WATER)
+    async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
+        pool, w = one_worker_pool(url)
+        cost, legs = TokenCost(), WorkerHTTP()
+        learned(cost, w)
+        watch = StallWatch(pool, cost, legs, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+        resp = await legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={}, timeout=NO_TIMEOUT)
+        (conns,) = legs._open.values()  # one worker, one connection
+        (conn,) = conns
+        await wait_for(lambda: conn.paused, "paused socket")  # nothing reads the body
+        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        assert watch.check() == [] and not w.stalled
+        held.release.set()
+        assert len(await resp.read()) == 4 * HIGH_WATER
+        await legs.close()
+
+
+def test_a_window_grows_with_the_tokens_a_worker_holds() -> None:
     pool, w = one_worker_pool("http://p")
     cost = TokenCost()
-    watch = StallWatch(pool, cost, WorkerHTTP(), None, {}, WINDOW_S, 1.0, pool.metrics)  # type: ignore[arg-type]
-    t = time.perf_counter()
-    cost.observe(w, 1000, t - 1.0, t)
-    with cost.leg(w, 5000):  # 5 s of work at 1 ms a token
-        assert watch.window(w) == pytest.approx(STALL_FACTOR * 5.0)
-        assert watch.check(now=t + 10.0) == []
-        assert watch.check(now=t + STALL_FACTOR * 5.0 + 1.0) == [w]
+    watch = StallWatch(pool, cost, WorkerHTTP(), None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+    assert watch.window(w) is None
+    learned(cost, w)
+    w.inflight_tokens = 5000  # 5 s of work at 1 ms a token
+    assert watch.window(w) == pytest.approx(STALL_FACTOR * 5.0)
+    w.inflight_tokens = 10
+    assert watch.window(w) == TIMEOUT_S
