@@ -20,7 +20,9 @@ The speed is the pool's own (prefill_estimate.TokenCost: prefill legs, or decode
 recomputes): until the pool has one nothing is judged, so a first prompt that is legitimately
 long is never cut for being first. A decode stream shows progress with every token; what
 makes a decode worker quiet for long is a prompt it recomputes, or a leg waiting for its KV
-while the prefill runs, and both scale with the prompt tokens it holds.
+while the prefill runs, and both scale with the prompt tokens it holds. A non-streamed decode
+answer sends nothing until its end however long it generates, so it is left out (`silent` in
+worker_http.py): a worker holding only those is not judged.
 """
 
 from __future__ import annotations

@@ -100,6 +100,7 @@ class WorkerResponse:
         self._sock_read = timeout.sock_read
         self._deadline = deadline
         self._heard = loop.time()  # when the worker last sent bytes
+        self.silent = False  # sends nothing until its end, however long it runs: no sign of a stall (quiet_for)
         self._timer: asyncio.TimerHandle | None = None
         if self._sock_read or deadline is not None:
             self._timer = loop.call_at(self._next_check(), self._check)
@@ -364,11 +365,14 @@ class WorkerHTTP:
         self._targets: dict[str, _Target] = {}
         self._tls: ssl.SSLContext | None = None
 
-    def post(self, url: str, *, data: bytes, headers: Mapping[str, str], timeout: aiohttp.ClientTimeout) -> _Post:
-        return _Post(self._post(url, data, headers, timeout))
+    def post(self, url: str, *, data: bytes, headers: Mapping[str, str], timeout: aiohttp.ClientTimeout,
+             silent: bool = False) -> _Post:
+        """`silent`: the answer comes whole at its end however long it runs (a non-streamed generation), so
+        its silence says nothing of the worker's progress (`quiet_for` leaves it out)."""
+        return _Post(self._post(url, data, headers, timeout, silent))
 
     async def _post(self, url: str, data: bytes, headers: Mapping[str, str],
-                    timeout: aiohttp.ClientTimeout) -> WorkerResponse:
+                    timeout: aiohttp.ClientTimeout, silent: bool) -> WorkerResponse:
         target = self._targets.get(url)
         if target is None:
             if len(self._targets) >= _TARGETS_MAX:
@@ -381,6 +385,7 @@ class WorkerHTTP:
         if conn is None:
             conn = await self._connect(target, timeout, deadline, loop)
         response = WorkerResponse(conn, timeout, deadline, loop)
+        response.silent = silent
         conn.send(response, head, data)
         try:
             await response._headed
@@ -440,10 +445,11 @@ class WorkerHTTP:
     def quiet_for(self, url: str) -> float | None:
         """Seconds since the worker at `url` (its base URL) last sent a byte of any response open on it (or
         since the latest of them was sent, if later); None when none is open. A response whose socket is
-        paused counts as heard now: its silence is its slow reader's, not the worker's."""
+        paused counts as heard now: its silence is its slow reader's, not the worker's. A `silent` one
+        does not count."""
         now = asyncio.get_running_loop().time()
         heard = [now if conn.paused else conn.response._heard
-                 for conn in self._open.get(_worker_key(url), ()) if conn.response is not None]
+                 for conn in self._open.get(_worker_key(url), ()) if conn.response is not None and not conn.response.silent]
         return now - max(heard) if heard else None
 
     def cut(self, url: str, reason: str) -> int:

@@ -129,6 +129,36 @@ async def test_a_leg_paused_for_its_slow_reader_keeps_the_worker_in() -> None:
         await legs.close()
 
 
+async def test_a_whole_answer_still_being_generated_is_no_sign_of_a_stall() -> None:
+    """A non-streamed generation sends nothing until its end, however long it runs (`silent`): alone it
+    never makes its worker stalled; a stream on the same worker that goes quiet does."""
+    held = HeldWorker()
+    async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
+        pool, w = one_worker_pool(url)
+        cost, legs = TokenCost(), WorkerHTTP()
+        learned(cost, w)
+        watch = StallWatch(pool, cost, legs, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+
+        async def leg(silent: bool) -> bytes:
+            async with legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={}, timeout=NO_TIMEOUT,
+                                 silent=silent) as resp:
+                return await resp.read()
+
+        whole = asyncio.create_task(leg(silent=True))
+        await wait_for(lambda: held.bodies, "leg at the worker")
+        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        assert watch.check() == [] and not w.stalled
+        stream = asyncio.create_task(leg(silent=False))
+        await wait_for(lambda: len(held.bodies) == 2, "second leg at the worker")
+        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        assert watch.check() == [w]
+        for task in (whole, stream):  # both cut, as for a dead worker
+            with pytest.raises(Exception) as err:
+                await task
+            assert is_hard_failure(err.value)
+        await legs.close()
+
+
 def test_a_window_grows_with_the_tokens_a_worker_holds() -> None:
     pool, w = one_worker_pool("http://p")
     cost = TokenCost()

@@ -119,8 +119,9 @@ class DecodeLegs:
             t = time.perf_counter()
             call.t_first_call = call.t_first_call or t
             try:
-                resp = await self.http.post(
-                    slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout
+                resp = await self.http.post(  # a whole answer says nothing until its end, however long
+                    slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout,
+                    silent=not call.stream,
                 )
             except UPSTREAM_ERRORS as exc:
                 slot.failed(exc)
