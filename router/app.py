@@ -105,8 +105,8 @@ class Router:
             self.queue,
         )
         self.stalls = [
-            StallWatch(pool, cost, self.legs_http, self.http, self.worker_headers, timeout_s, self.cfg.health_interval,
-                       self.metrics)
+            StallWatch(pool, cost, self.legs_http, self.queue_view, self.http, self.worker_headers, timeout_s,
+                       self.cfg.health_interval, self.metrics)
             for pool, cost, timeout_s in ((self.prefill, self.queue.prefill, self.cfg.prefill_stall_timeout),
                                           (self.decode, self.queue.recompute, self.cfg.decode_stall_timeout))
             if timeout_s > 0

@@ -48,6 +48,13 @@ _NAME = re.compile(rb"[a-zA-Z_:][\w:]*")
 # name{labels} value [timestamp]; label values are quoted and may hold escaped quotes, braces, spaces
 _SAMPLE = re.compile(rb'^([a-zA-Z_:][\w:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})?[ \t]+(\S+)(?:[ \t]+-?\d+)?[ \t]*$')
 _CAPACITY = re.compile(rb'[{,]\s*reason="capacity"')
+# Samples that only the engine core moves (its scheduler's stats reach the API server with every step it
+# runs, an empty one included): while any of them changes between scrapes the engine is stepping, even
+# when none of its requests has sent a byte for long (one long prompt's chunks). Both names of the KV
+# usage gauge (gpu_cache_usage_perc before vLLM 0.11).
+_PROGRESS = re.compile(
+    rb"^vllm:(?:kv_cache_usage_perc|gpu_cache_usage_perc|iteration_tokens_total_count|prompt_tokens_total"
+    rb"|generation_tokens_total)\b.*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,11 @@ def parse_queue(text: bytes) -> QueueCounts | None:
     return QueueCounts(sums[_RUNNING], sums[_WAITING], capacity)
 
 
+def progress_mark(text: bytes) -> int:
+    """A value that changes whenever the engine has stepped since another scrape (see _PROGRESS)."""
+    return hash(tuple(_PROGRESS.findall(text)))
+
+
 async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes | None:
     body = bytearray()
     async for chunk in resp.content.iter_chunked(1 << 16):
@@ -130,6 +142,8 @@ class QueueView:
         # Keyed by the Worker object: a departed (or re-registered) worker's entries go with it.
         self._snapshots: weakref.WeakKeyDictionary[Worker, QueueSnapshot] = weakref.WeakKeyDictionary()
         self._scrapes: weakref.WeakKeyDictionary[Worker, asyncio.Task] = weakref.WeakKeyDictionary()
+        # (progress_mark of the latest scrape, monotonic time it last changed) per worker
+        self._progress: weakref.WeakKeyDictionary[Worker, tuple[int, float]] = weakref.WeakKeyDictionary()
         self._task: asyncio.Task | None = None
         self._wanted_until = 0.0  # monotonic; scrapes run until then
 
@@ -144,6 +158,12 @@ class QueueView:
             return None
         return snap
 
+    def engine_still_for(self, w: Worker) -> float | None:
+        """Seconds since the scrapes last saw `w`'s engine step; None without a fresh scrape to tell."""
+        if self.snapshot(w) is None or (progress := self._progress.get(w)) is None:
+            return None
+        return time.monotonic() - progress[1]
+
     async def scrape(self, pool: Pool, w: Worker) -> None:
         """One scrape of `w`; its snapshot is replaced on success and dropped on any failure."""
         outcome = "ok"
@@ -157,10 +177,14 @@ class QueueView:
             log.debug("queue scrape of %s failed: %s", w.url, describe(exc))
             outcome, counts = "failed", None
         self.metrics.queue_scrapes.labels(pool.role, outcome).inc()
-        if counts is None:
+        if counts is None or body is None:
             self._snapshots.pop(w, None)
         elif pool.workers.get(w.id) is w:  # it may have left while we waited
-            self._snapshots[w] = QueueSnapshot(counts, w.inflight, time.monotonic())
+            now = time.monotonic()
+            self._snapshots[w] = QueueSnapshot(counts, w.inflight, now)
+            mark, last = progress_mark(body), self._progress.get(w)
+            if last is None or last[0] != mark:
+                self._progress[w] = (mark, now)
 
     def scrape_all(self) -> None:
         """Start a scrape of each worker that has none under way (a hung one holds up only itself)."""

@@ -7,22 +7,24 @@ there waits for `--prefill-timeout` or the decode leg's read timeout (minutes). 
 waited for the thaw; a real hang has none.
 
 So the router judges progress itself, from the bytes of the legs it has open on a worker
-(worker_http.py): a worker that has held legs for its pool's stall timeout, and for
-STALL_FACTOR times what the prompt tokens it holds should take at the pool's learned speed,
-with not a byte from any of them meanwhile, is stalled. It leaves the pool (Worker.stalled),
-and its open legs are cut as for a worker found dead: a prefill leg moves to another prefill
-worker or decode-only, a decode leg before its first token to another decode worker, a stream
-that has shown tokens ends with an error event. Its server sees the clients leave and aborts
-those requests once its core runs again. A canary completion (one prompt token, one output
-token) goes to it every health interval; the first one answered puts it back.
+(worker_http.py) and, where its /metrics scrapes run (queue_view.py, queue-aware paths on, while
+there is traffic), from whether its engine still steps (the scheduler's stats every step sends:
+KV usage, step and token counters). A worker whose legs have all been silent for its pool's stall
+timeout is stalled when the scrapes saw its engine make no step in that time either: a long
+prompt's chunks move the KV usage, so a slow prompt is never taken for a stuck engine. Without a
+fresh scrape the legs' silence must also outlast STALL_FACTOR times what the prompt tokens the
+worker holds should take at the pool's learned speed. A stalled worker leaves the pool
+(Worker.stalled), and its open legs are cut as for a worker found dead: a prefill leg moves to
+another prefill worker or decode-only, a decode leg before its first token to another decode
+worker, a stream that has shown tokens ends with an error event. Its server sees the clients
+leave and aborts those requests once its core runs again. A canary completion (one prompt token,
+one output token) goes to it every health interval; the first one answered puts it back.
 
 The speed is the pool's own (prefill_estimate.TokenCost: prefill legs, or decode-only
-recomputes): until the pool has one nothing is judged, so a first prompt that is legitimately
-long is never cut for being first. A decode stream shows progress with every token; what
-makes a decode worker quiet for long is a prompt it recomputes, or a leg waiting for its KV
-while the prefill runs, and both scale with the prompt tokens it holds. A non-streamed decode
-answer sends nothing until its end however long it generates, so it is left out (`silent` in
-worker_http.py): a worker holding only those is not judged.
+recomputes): until the pool has one, a worker nobody scrapes is not judged. Silences that are
+not the worker's do not count (worker_http.py `silent`): a non-streamed decode answer sends
+nothing until its end however long it generates, an overlapped decode leg nothing while it waits
+for its prefill's KV, and a stream paused for its slow reader is not the worker's doing.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ import aiohttp
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, Worker
 from pdserve.router.prefill_estimate import TokenCost
+from pdserve.router.queue_view import QueueView
 from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
 from pdserve.router.worker_http import WorkerHTTP
 
 log = logging.getLogger("pdserve.router.stall_watch")
 
-# How much longer than the learned speed says a worker may hold its open prompt tokens without
-# answering any: a batch of prompts ends together, and a loaded engine runs a few times slower
+# How much longer than the learned speed says a worker may hold its open prompt tokens without a
+# byte on any: a batch of prompts ends together, and a loaded engine runs a few times slower
 # than the pool's recent mean, neither of which is a stall.
 STALL_FACTOR = 4.0
 CANARY_TIMEOUT_S = 30.0  # a stalled worker's canary: a one-token prompt, alone in its engine once the legs were cut
@@ -52,11 +55,13 @@ CANARY_TIMEOUT_S = 30.0  # a stalled worker's canary: a one-token prompt, alone 
 class StallWatch:
     """The watch over one pool."""
 
-    def __init__(self, pool: Pool, cost: TokenCost, legs: WorkerHTTP, http: aiohttp.ClientSession,
-                 headers: dict[str, str], timeout_s: float, interval_s: float, metrics: RouterMetrics) -> None:
+    def __init__(self, pool: Pool, cost: TokenCost, legs: WorkerHTTP, view: QueueView | None,
+                 http: aiohttp.ClientSession, headers: dict[str, str], timeout_s: float, interval_s: float,
+                 metrics: RouterMetrics) -> None:
         self.pool = pool
         self.cost = cost  # the pool's learned speed per prompt token
         self.legs = legs  # the legs' client: when each worker last sent a byte, and cutting its legs
+        self.view = view  # the /metrics scrapes, when queue-aware paths are on: whether each engine still steps
         self.http = http
         self.headers = headers
         self.timeout_s = timeout_s
@@ -78,16 +83,22 @@ class StallWatch:
         for w in list(self.pool.workers.values()):
             if w.stalled:
                 continue
-            quiet, window = self.legs.quiet_for(w.url), self.window(w)
-            if quiet is None or window is None or quiet <= window:
+            quiet = self.legs.quiet_for(w.url)
+            if quiet is None or quiet <= self.timeout_s:
+                continue
+            still = self.view.engine_still_for(w) if self.view is not None else None
+            # The scrapes tell: stuck when its engine has not stepped either. Without them its legs' silence alone.
+            window = self.timeout_s if still is not None else self.window(w)
+            if window is None or quiet <= window or (still is not None and still <= window):
                 continue
             stalled.append(w)
             self.pool.set_stalled(w, True)
             self.metrics.stalls.labels(w.role, w.id).inc()
             cut = self.legs.cut(w.url, f"{w.role} worker {w.url} sent nothing on its requests for {quiet:.1f} s")
-            log.warning("%s worker %s sent nothing on any of its requests for %.1f s (window %.1f s): out of the "
-                        "pool until a canary request is answered; moved %d request(s) on",
-                        w.role, w.id, quiet, window, cut)
+            log.warning("%s worker %s sent nothing on any of its requests for %.1f s (window %.1f s; its engine "
+                        "%s): out of the pool until a canary request is answered; moved %d request(s) on",
+                        w.role, w.id, quiet, window,
+                        "unscraped" if still is None else f"did not step for {still:.1f} s", cut)
         return stalled
 
     async def canary(self, w: Worker) -> bool:
@@ -103,7 +114,10 @@ class StallWatch:
         except SIDE_REQUEST_ERRORS as exc:
             log.debug("canary on stalled %s worker %s failed: %s", w.role, w.id, describe(exc))
             return False
-        if answered and self.pool.workers.get(w.id) is w:
+        if not answered:  # its server refused the request itself: say why the worker stays out
+            log.warning("canary on stalled %s worker %s got HTTP %d; it stays out of the pool", w.role, w.id,
+                        resp.status)
+        elif self.pool.workers.get(w.id) is w:
             self.pool.set_stalled(w, False)
             log.warning("%s worker %s answered a canary request: back in the pool", w.role, w.id)
         return answered

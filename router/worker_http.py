@@ -133,6 +133,11 @@ class WorkerResponse:
             finally:
                 self._waiter = None
 
+    def speak(self) -> None:
+        """From now on its silence counts (`silent` no more): a held decode leg whose prefill has answered."""
+        self.silent = False
+        self._heard = self._loop.time()
+
     async def read(self) -> bytes:
         """The whole body."""
         return b"".join([chunk async for chunk in self.iter_any()])

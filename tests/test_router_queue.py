@@ -27,7 +27,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, Worker
 from pdserve.router import prefill_estimate
 from pdserve.router.prefill_estimate import LEARN_MIN_TOKENS, QueueEstimate, TokenCost
-from pdserve.router.queue_view import QueueCounts, QueueSnapshot, QueueView, parse_queue
+from pdserve.router.queue_view import QueueCounts, QueueSnapshot, QueueView, parse_queue, progress_mark
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 from worker_stubs import planner_pools
@@ -55,6 +55,16 @@ vllm:prompt_tokens_total{engine="0",model_name="m"} 123456.0
 
 def test_parse_queue_sums_engines_and_reads_the_capacity_split() -> None:
     assert parse_queue(VLLM_METRICS) == QueueCounts(running=3, waiting=5, capacity_waiting=3)
+
+
+def test_the_progress_mark_moves_with_the_engines_stats_only() -> None:
+    """What the stall watch reads to tell a slow engine from a stuck one: KV usage, step and token counters."""
+    base = VLLM_METRICS + b'vllm:kv_cache_usage_perc{engine="0"} 0.25\nvllm:prompt_tokens_total{engine="0"} 100.0\n'
+    mark = progress_mark(base)
+    assert progress_mark(base + b'vllm:num_requests_waiting{engine="9"} 1.0\n') == mark  # a queue is no step
+    assert progress_mark(base.replace(b"} 0.25", b"} 0.5")) != mark
+    assert progress_mark(base.replace(b"} 100.0", b"} 164.0")) != mark
+    assert progress_mark(base + b'vllm:iteration_tokens_total_count{engine="0"} 7.0\n') != mark
 
 
 def test_parse_queue_without_the_split_says_none_for_capacity() -> None:

@@ -77,7 +77,7 @@ async def test_a_quiet_worker_is_stalled_its_legs_cut_and_a_canary_puts_it_back(
         pool, w = one_worker_pool(url)
         cost, legs = TokenCost(), WorkerHTTP()
         async with aiohttp.ClientSession() as http:
-            watch = StallWatch(pool, cost, legs, http, {}, TIMEOUT_S, 1.0, pool.metrics)
+            watch = StallWatch(pool, cost, legs, None, http, {}, TIMEOUT_S, 1.0, pool.metrics)
 
             async def leg() -> None:
                 async with legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={},
@@ -117,7 +117,7 @@ async def test_a_leg_paused_for_its_slow_reader_keeps_the_worker_in() -> None:
         pool, w = one_worker_pool(url)
         cost, legs = TokenCost(), WorkerHTTP()
         learned(cost, w)
-        watch = StallWatch(pool, cost, legs, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+        watch = StallWatch(pool, cost, legs, None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
         resp = await legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={}, timeout=NO_TIMEOUT)
         (conns,) = legs._open.values()  # one worker, one connection
         (conn,) = conns
@@ -137,7 +137,7 @@ async def test_a_whole_answer_still_being_generated_is_no_sign_of_a_stall() -> N
         pool, w = one_worker_pool(url)
         cost, legs = TokenCost(), WorkerHTTP()
         learned(cost, w)
-        watch = StallWatch(pool, cost, legs, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+        watch = StallWatch(pool, cost, legs, None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
 
         async def leg(silent: bool) -> bytes:
             async with legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={}, timeout=NO_TIMEOUT,
@@ -159,10 +159,68 @@ async def test_a_whole_answer_still_being_generated_is_no_sign_of_a_stall() -> N
         await legs.close()
 
 
+async def test_a_held_leg_counts_from_when_its_prefill_answered() -> None:
+    """An overlapped decode leg says nothing while it waits for its prefill's KV (`silent`); once the prefill
+    has answered (`speak`) its silence is the worker's, counted from then."""
+    held = HeldWorker()
+    async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
+        pool, w = one_worker_pool(url)
+        cost, legs = TokenCost(), WorkerHTTP()
+        learned(cost, w)
+        watch = StallWatch(pool, cost, legs, None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+        post = legs.post(url + "/v1/completions", data=b"{}", headers={}, timeout=NO_TIMEOUT, silent=True)
+        task = asyncio.ensure_future(post)
+        await wait_for(lambda: held.bodies, "leg at the worker")
+        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        assert watch.check() == []
+        (conns,) = legs._open.values()
+        (conn,) = conns
+        conn.response.speak()
+        assert watch.check() == []  # heard now
+        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        assert watch.check() == [w]
+        with pytest.raises(Exception):
+            await task
+        await legs.close()
+
+
+class EngineSteps:
+    """What a QueueView says of an engine's steps (the scrape side is tested in test_router_queue.py)."""
+
+    def __init__(self, still_for: float | None) -> None:
+        self.still_for = still_for
+
+    def engine_still_for(self, _w: Worker) -> float | None:
+        return self.still_for
+
+
+async def test_a_quiet_worker_whose_engine_still_steps_is_slow_not_stalled() -> None:
+    """One prompt far longer (or less cached) than the pool's recent ones can keep every leg on its worker
+    quiet past the window; the /metrics scrapes still see its engine step, so it stays in."""
+    held = HeldWorker()
+    async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
+        pool, w = one_worker_pool(url)
+        cost, legs, steps = TokenCost(), WorkerHTTP(), EngineSteps(still_for=0.1)
+        learned(cost, w)
+        watch = StallWatch(pool, cost, legs, steps, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+        async def leg() -> None:
+            await legs.post(url + "/v1/completions", data=b"{}", headers={}, timeout=NO_TIMEOUT)
+
+        task = asyncio.create_task(leg())
+        await wait_for(lambda: held.bodies, "leg at the worker")
+        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        assert watch.check() == [] and not w.stalled
+        steps.still_for = 10.0  # scrapes that saw no step for longer than the window: stuck
+        assert watch.check() == [w]
+        with pytest.raises(Exception):
+            await task
+        await legs.close()
+
+
 def test_a_window_grows_with_the_tokens_a_worker_holds() -> None:
     pool, w = one_worker_pool("http://p")
     cost = TokenCost()
-    watch = StallWatch(pool, cost, WorkerHTTP(), None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+    watch = StallWatch(pool, cost, WorkerHTTP(), None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
     assert watch.window(w) is None
     learned(cost, w)
     w.inflight_tokens = 5000  # 5 s of work at 1 ms a token

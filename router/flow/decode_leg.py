@@ -104,9 +104,12 @@ class DecodeLegs:
         self.timeout = aiohttp.ClientTimeout(sock_read=cfg.decode_timeout, connect=cfg.connect_timeout)
 
     async def open(
-        self, call: Call, payload: bytes, ctx: RouteContext, tried: set[str], t_prefill_done: float | None
+        self, call: Call, payload: bytes, ctx: RouteContext, tried: set[str], t_prefill_done: float | None,
+        held: bool = False,
     ) -> DecodeLeg:
-        """Send the decode leg and wait for its headers, moving on from workers that fail (nothing is sent yet)."""
+        """Send the decode leg and wait for its headers, moving on from workers that fail (nothing is sent yet).
+        `held`: an overlapped leg, silent in its engine until its prefill's KV lands (pd_flow `_landed`
+        ends that once the prefill has answered)."""
         headers = {**self.headers, "X-Request-Id": call.request_id}
         last: RouterError | None = None
         error_replies = 0
@@ -121,7 +124,7 @@ class DecodeLegs:
             try:
                 resp = await self.http.post(  # a whole answer says nothing until its end, however long
                     slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout,
-                    silent=not call.stream,
+                    silent=held or not call.stream,
                 )
             except UPSTREAM_ERRORS as exc:
                 slot.failed(exc)
