@@ -7,24 +7,29 @@ there waits for `--prefill-timeout` or the decode leg's read timeout (minutes). 
 waited for the thaw; a real hang has none.
 
 So the router judges progress itself, from the bytes of the legs it has open on a worker
-(worker_http.py) and, where its /metrics scrapes run (queue_view.py, queue-aware paths on, while
-there is traffic), from whether its engine still steps (the scheduler's stats every step sends:
-KV usage, step and token counters). A worker whose legs have all been silent for its pool's stall
-timeout is stalled when the scrapes saw its engine make no step in that time either: a long
-prompt's chunks move the KV usage, so a slow prompt is never taken for a stuck engine. Without a
-fresh scrape the legs' silence must also outlast STALL_FACTOR times what the prompt tokens the
-worker holds should take at the pool's learned speed. A stalled worker leaves the pool
-(Worker.stalled), and its open legs are cut as for a worker found dead: a prefill leg moves to
-another prefill worker or decode-only, a decode leg before its first token to another decode
-worker, a stream that has shown tokens ends with an error event. Its server sees the clients
-leave and aborts those requests once its core runs again. A canary completion (one prompt token,
-one output token) goes to it every health interval; the first one answered puts it back.
+(worker_http.py `silence`). While one of its legs runs (a stream that has shown a token), an
+engine that steps sends it more with every step: a worker silent on all its legs for its pool's
+stall timeout is stalled. While none runs yet, the oldest leg's prompt comes first: the silence
+since it was sent must also outlast STALL_FACTOR times what that prompt should take at the pool's
+learned speed (prefill_estimate.TokenCost: prefill legs, or decode-only recomputes; unknown, it
+is not judged), so a long first prompt is never cut for being long, and legs sent to a worker
+that is already stuck do not move its clock. Where the router's /metrics scrapes run (queue_view.py,
+queue-aware paths on, while there is traffic), a worker whose engine was seen to step within the
+window is slow, not stuck. (Those samples move only on steps that give some request an output:
+vLLM 0.32's CPU engine showed no change through the 8 chunks of a 1947-token prompt, so they
+cannot tell a long prompt from a stuck engine, only spare a stepping one.)
 
-The speed is the pool's own (prefill_estimate.TokenCost: prefill legs, or decode-only
-recomputes): until the pool has one, a worker nobody scrapes is not judged. Silences that are
-not the worker's do not count (worker_http.py `silent`): a non-streamed decode answer sends
-nothing until its end however long it generates, an overlapped decode leg nothing while it waits
-for its prefill's KV, and a stream paused for its slow reader is not the worker's doing.
+A stalled worker leaves the pool (Worker.stalled), and its open legs are cut as for a worker
+found dead: a prefill leg moves to another prefill worker or decode-only, a decode leg before its
+first token to another decode worker, a stream that has shown tokens ends with an error event.
+Its server sees the clients leave and aborts those requests once its core runs again. A canary
+completion (one prompt token, one output token) goes to it every health interval; the first one
+answered puts it back.
+
+Silences that are not the worker's do not count (worker_http.py `silent`): a non-streamed decode
+answer sends nothing until its end however long it generates, an overlapped decode leg nothing
+while it waits for its prefill's KV, and a stream paused for its slow reader is not the worker's
+doing.
 """
 
 from __future__ import annotations
@@ -70,34 +75,34 @@ class StallWatch:
         self._canaries: dict[Worker, asyncio.Task[bool]] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def window(self, w: Worker) -> float | None:
-        """Seconds `w` may hold its legs without a byte; None while the pool's speed is unknown."""
+    def window(self, work: int) -> float | None:
+        """Seconds a worker may stay silent with `work` prompt tokens to compute first; None when there are
+        some and the pool's speed is unknown."""
+        if not work:
+            return self.timeout_s
         per_token = self.cost.per_token
-        if per_token is None:
-            return None
-        return max(self.timeout_s, STALL_FACTOR * w.inflight_tokens * per_token)
+        return None if per_token is None else max(self.timeout_s, STALL_FACTOR * work * per_token)
 
     def check(self) -> list[Worker]:
         """Judge every worker of the pool now; returns the ones found stalled (their legs cut)."""
         stalled = []
         for w in list(self.pool.workers.values()):
-            if w.stalled:
+            if w.stalled or (silence := self.legs.silence(w.url)) is None:
                 continue
-            quiet = self.legs.quiet_for(w.url)
-            if quiet is None or quiet <= self.timeout_s:
+            quiet, work = silence
+            window = self.window(work)
+            if window is None or quiet <= window:
                 continue
             still = self.view.engine_still_for(w) if self.view is not None else None
-            # The scrapes tell: stuck when its engine has not stepped either. Without them its legs' silence alone.
-            window = self.timeout_s if still is not None else self.window(w)
-            if window is None or quiet <= window or (still is not None and still <= window):
+            if still is not None and still <= window:  # its engine stepped meanwhile: slow, not stuck
                 continue
             stalled.append(w)
             self.pool.set_stalled(w, True)
             self.metrics.stalls.labels(w.role, w.id).inc()
             cut = self.legs.cut(w.url, f"{w.role} worker {w.url} sent nothing on its requests for {quiet:.1f} s")
-            log.warning("%s worker %s sent nothing on any of its requests for %.1f s (window %.1f s; its engine "
-                        "%s): out of the pool until a canary request is answered; moved %d request(s) on",
-                        w.role, w.id, quiet, window,
+            log.warning("%s worker %s sent nothing it owed for %.1f s (window %.1f s, %d prompt tokens first; its "
+                        "engine %s): out of the pool until a canary request is answered; moved %d request(s) on",
+                        w.role, w.id, quiet, window, work,
                         "unscraped" if still is None else f"did not step for {still:.1f} s", cut)
         return stalled
 

@@ -99,8 +99,11 @@ class WorkerResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._sock_read = timeout.sock_read
         self._deadline = deadline
-        self._heard = loop.time()  # when the worker last sent bytes
-        self.silent = False  # sends nothing until its end, however long it runs: no sign of a stall (quiet_for)
+        self.sent_at = self._heard = loop.time()  # _heard: when the worker last sent bytes
+        self.heard_any = False  # a byte of it came (its head, at least)
+        self.bodied = False  # a byte of its body came: a stream that runs, or a whole answer
+        self.silent = False  # sends nothing until its end, however long it runs: no sign of a stall (`silence`)
+        self.work = 0  # prompt tokens the worker computes before its body can start (the stall watch's window)
         self._timer: asyncio.TimerHandle | None = None
         if self._sock_read or deadline is not None:
             self._timer = loop.call_at(self._next_check(), self._check)
@@ -134,9 +137,10 @@ class WorkerResponse:
                 self._waiter = None
 
     def speak(self) -> None:
-        """From now on its silence counts (`silent` no more): a held decode leg whose prefill has answered."""
+        """From now on its silence counts, as if sent now (`silent` no more): a held decode leg whose prefill
+        has answered."""
         self.silent = False
-        self._heard = self._loop.time()
+        self.sent_at = self._heard = self._loop.time()
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -157,6 +161,7 @@ class WorkerResponse:
             self._headed.set_result(None)
 
     def _on_body(self, body: bytes) -> None:
+        self.bodied = True
         self._chunks.append(body)
         self._held += len(body)
         conn = self._conn
@@ -208,6 +213,7 @@ class WorkerResponse:
 
     def _heard_from(self) -> None:
         self._heard = self._loop.time()
+        self.heard_any = True
 
     # ------------------------------------------------------------ timeouts: one timer, moved lazily
 
@@ -371,13 +377,14 @@ class WorkerHTTP:
         self._tls: ssl.SSLContext | None = None
 
     def post(self, url: str, *, data: bytes, headers: Mapping[str, str], timeout: aiohttp.ClientTimeout,
-             silent: bool = False) -> _Post:
+             silent: bool = False, work: int = 0) -> _Post:
         """`silent`: the answer comes whole at its end however long it runs (a non-streamed generation), so
-        its silence says nothing of the worker's progress (`quiet_for` leaves it out)."""
-        return _Post(self._post(url, data, headers, timeout, silent))
+        its silence says nothing of the worker's progress (`silence` leaves it out). `work`: the prompt
+        tokens the worker computes before the body can start."""
+        return _Post(self._post(url, data, headers, timeout, silent, work))
 
     async def _post(self, url: str, data: bytes, headers: Mapping[str, str],
-                    timeout: aiohttp.ClientTimeout, silent: bool) -> WorkerResponse:
+                    timeout: aiohttp.ClientTimeout, silent: bool, work: int) -> WorkerResponse:
         target = self._targets.get(url)
         if target is None:
             if len(self._targets) >= _TARGETS_MAX:
@@ -390,7 +397,7 @@ class WorkerHTTP:
         if conn is None:
             conn = await self._connect(target, timeout, deadline, loop)
         response = WorkerResponse(conn, timeout, deadline, loop)
-        response.silent = silent
+        response.silent, response.work = silent, work
         conn.send(response, head, data)
         try:
             await response._headed
@@ -447,15 +454,24 @@ class WorkerHTTP:
             if not live:
                 del self._open[conn.key]
 
-    def quiet_for(self, url: str) -> float | None:
-        """Seconds since the worker at `url` (its base URL) last sent a byte of any response open on it (or
-        since the latest of them was sent, if later); None when none is open. A response whose socket is
-        paused counts as heard now: its silence is its slow reader's, not the worker's. A `silent` one
-        does not count."""
+    def silence(self, url: str) -> tuple[float, int] | None:
+        """How long the worker at `url` (its base URL) has sent nothing it owed on the legs open on it, and the
+        prompt tokens it had to compute first; None when it owes nothing (no leg open, or one paused for its
+        slow reader: that silence is the reader's). Legs marked `silent` are left out.
+
+        While one of its legs runs (a body byte came), an engine that steps sends it more every step: the
+        silence is since the latest byte of any leg, with nothing to compute first. Otherwise it is since
+        the oldest leg was sent, with that leg's prompt to compute (what came later waits behind it: a leg
+        sent to a stuck worker does not move the clock)."""
+        legs = [c.response for c in self._open.get(_worker_key(url), ())
+                if c.response is not None and not c.response.silent]
+        if not legs or any(r._conn is not None and r._conn.paused for r in legs):
+            return None
         now = asyncio.get_running_loop().time()
-        heard = [now if conn.paused else conn.response._heard
-                 for conn in self._open.get(_worker_key(url), ()) if conn.response is not None and not conn.response.silent]
-        return now - max(heard) if heard else None
+        if any(r.bodied for r in legs):
+            return now - max(r._heard for r in legs if r.heard_any), 0
+        oldest = min(legs, key=lambda r: r.sent_at)
+        return now - oldest.sent_at, oldest.work
 
     def cut(self, url: str, reason: str) -> int:
         """End every response open on the worker at `url` (its base URL) with a hard failure and drop its

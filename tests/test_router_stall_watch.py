@@ -53,7 +53,6 @@ def one_worker_pool(url: str) -> tuple[Pool, Worker]:
     (w,) = pool.workers.values()
     w.healthy = True
     w.model_cards = [{"id": "stub"}]
-    w.inflight_tokens = 100  # what the pool's slots would count for the legs below
     return pool, w
 
 
@@ -81,7 +80,7 @@ async def test_a_quiet_worker_is_stalled_its_legs_cut_and_a_canary_puts_it_back(
 
             async def leg() -> None:
                 async with legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={},
-                                     timeout=NO_TIMEOUT) as resp:
+                                     timeout=NO_TIMEOUT, work=100) as resp:
                     await resp.read()
 
             task = asyncio.create_task(leg())
@@ -91,7 +90,7 @@ async def test_a_quiet_worker_is_stalled_its_legs_cut_and_a_canary_puts_it_back(
             assert not task.done()
 
             learned(cost, w)
-            assert watch.window(w) == pytest.approx(max(TIMEOUT_S, STALL_FACTOR * 100 * 1e-3))
+            assert watch.window(100) == pytest.approx(max(TIMEOUT_S, STALL_FACTOR * 100 * 1e-3))
             assert watch.check() == [w]
             with pytest.raises(Exception) as err:
                 await task
@@ -122,7 +121,7 @@ async def test_a_leg_paused_for_its_slow_reader_keeps_the_worker_in() -> None:
         (conns,) = legs._open.values()  # one worker, one connection
         (conn,) = conns
         await wait_for(lambda: conn.paused, "paused socket")  # nothing reads the body
-        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        await asyncio.sleep(2 * TIMEOUT_S)
         assert watch.check() == [] and not w.stalled
         held.release.set()
         assert len(await resp.read()) == 4 * HIGH_WATER
@@ -146,11 +145,11 @@ async def test_a_whole_answer_still_being_generated_is_no_sign_of_a_stall() -> N
 
         whole = asyncio.create_task(leg(silent=True))
         await wait_for(lambda: held.bodies, "leg at the worker")
-        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        await asyncio.sleep(2 * TIMEOUT_S)
         assert watch.check() == [] and not w.stalled
         stream = asyncio.create_task(leg(silent=False))
         await wait_for(lambda: len(held.bodies) == 2, "second leg at the worker")
-        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        await asyncio.sleep(2 * TIMEOUT_S)
         assert watch.check() == [w]
         for task in (whole, stream):  # both cut, as for a dead worker
             with pytest.raises(Exception) as err:
@@ -171,13 +170,13 @@ async def test_a_held_leg_counts_from_when_its_prefill_answered() -> None:
         post = legs.post(url + "/v1/completions", data=b"{}", headers={}, timeout=NO_TIMEOUT, silent=True)
         task = asyncio.ensure_future(post)
         await wait_for(lambda: held.bodies, "leg at the worker")
-        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        await asyncio.sleep(2 * TIMEOUT_S)
         assert watch.check() == []
         (conns,) = legs._open.values()
         (conn,) = conns
         conn.response.speak()
         assert watch.check() == []  # heard now
-        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        await asyncio.sleep(2 * TIMEOUT_S)
         assert watch.check() == [w]
         with pytest.raises(Exception):
             await task
@@ -208,7 +207,7 @@ async def test_a_quiet_worker_whose_engine_still_steps_is_slow_not_stalled() -> 
 
         task = asyncio.create_task(leg())
         await wait_for(lambda: held.bodies, "leg at the worker")
-        await asyncio.sleep(2 * watch.window(w))  # type: ignore[operator]
+        await asyncio.sleep(2 * TIMEOUT_S)
         assert watch.check() == [] and not w.stalled
         steps.still_for = 10.0  # scrapes that saw no step for longer than the window: stuck
         assert watch.check() == [w]
@@ -217,13 +216,43 @@ async def test_a_quiet_worker_whose_engine_still_steps_is_slow_not_stalled() -> 
         await legs.close()
 
 
-def test_a_window_grows_with_the_tokens_a_worker_holds() -> None:
+async def test_the_silence_runs_from_the_oldest_leg_or_the_latest_byte_of_a_running_one() -> None:
+    """A leg sent to a stuck worker does not restart its clock; once a leg runs (body bytes came), the
+    silence is since the latest byte, with no prompt left to wait for."""
+    held, streaming = HeldWorker(), HeldWorker(lead=10)
+    async with listening(worker_app(healthy, serves_stub, held.completions),
+                         worker_app(healthy, serves_stub, streaming.completions)) as (url, stream_url):
+        legs = WorkerHTTP()
+
+        async def leg(to: str, work: int) -> None:
+            async with legs.post(to + "/v1/completions", data=b"{}", headers={}, timeout=NO_TIMEOUT, work=work) as r:
+                await r.read()
+
+        tasks = [asyncio.create_task(leg(url, 500))]
+        await wait_for(lambda: held.bodies, "first leg")
+        await asyncio.sleep(0.2)
+        tasks.append(asyncio.create_task(leg(url, 50)))
+        await wait_for(lambda: len(held.bodies) == 2, "second leg")
+        quiet, work = legs.silence(url)  # type: ignore[misc]
+        assert quiet >= 0.2 and work == 500
+
+        tasks.append(asyncio.create_task(leg(stream_url, 500)))
+        await wait_for(lambda: streaming.bodies, "streamed leg")
+        await asyncio.sleep(0.2)
+        quiet, work = legs.silence(stream_url)  # type: ignore[misc]
+        assert 0.15 <= quiet < 1.0 and work == 0  # running: since its first body bytes, nothing to compute first
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await legs.close()
+
+
+def test_a_window_grows_with_the_prompt_the_oldest_leg_computes_first() -> None:
     pool, w = one_worker_pool("http://p")
     cost = TokenCost()
     watch = StallWatch(pool, cost, WorkerHTTP(), None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
-    assert watch.window(w) is None
+    assert watch.window(0) == TIMEOUT_S  # a running leg: the engine owes it bytes every step
+    assert watch.window(5000) is None  # a prompt first, and no speed to judge its time by
     learned(cost, w)
-    w.inflight_tokens = 5000  # 5 s of work at 1 ms a token
-    assert watch.window(w) == pytest.approx(STALL_FACTOR * 5.0)
-    w.inflight_tokens = 10
-    assert watch.window(w) == TIMEOUT_S
+    assert watch.window(5000) == pytest.approx(STALL_FACTOR * 5.0)  # 5 s of work at 1 ms a token
+    assert watch.window(10) == TIMEOUT_S

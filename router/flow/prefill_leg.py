@@ -123,7 +123,8 @@ class PrefillLeg:
                 call.t_first_call = call.t_first_call or t
                 try:
                     async with self.http.post(
-                        slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout
+                        slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout,
+                        work=ctx.prompt_tokens,
                     ) as resp:
                         status, content = resp.status, await resp.read()
                     t_answer = time.perf_counter()
