@@ -54,7 +54,7 @@ class Worker:
     inflight_tokens: int = 0
     served: int = 0
     healthy: bool = False  # no request before the first health check passes
-    stalled: bool = False  # held legs without answering any (stall_watch.py): out until a canary is answered
+    stalled: bool = False  # sent nothing its legs owed for too long (stall_watch.py): out until a canary answers
     breaker: Breaker = field(
         default_factory=lambda: Breaker(RouterConfig.breaker_failures, RouterConfig.breaker_cooldown)
     )
