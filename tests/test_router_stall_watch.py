@@ -62,6 +62,14 @@ def learned(cost: TokenCost, w: Worker) -> None:
     cost.observe(w, 1000, t - 1.0, t)
 
 
+def unscraped_watch(url: str) -> tuple[Pool, Worker, WorkerHTTP, StallWatch]:
+    """A one-worker pool with a learned speed (1 ms a token) and its watch, with no scrapes and no canaries."""
+    pool, w = one_worker_pool(url)
+    cost, legs = TokenCost(), WorkerHTTP()
+    learned(cost, w)
+    return pool, w, legs, StallWatch(pool, cost, legs, None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+
+
 async def wait_for(cond, what: str) -> None:  # type: ignore[no-untyped-def]
     for _ in range(1000):
         if cond():
@@ -113,10 +121,7 @@ async def test_a_leg_paused_for_its_slow_reader_keeps_the_worker_in() -> None:
     client's, and must not take out the worker and cut every other stream on it."""
     held = HeldWorker(lead=4 * HIGH_WATER)
     async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
-        pool, w = one_worker_pool(url)
-        cost, legs = TokenCost(), WorkerHTTP()
-        learned(cost, w)
-        watch = StallWatch(pool, cost, legs, None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+        pool, w, legs, watch = unscraped_watch(url)
         resp = await legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={}, timeout=NO_TIMEOUT)
         (conns,) = legs._open.values()  # one worker, one connection
         (conn,) = conns
@@ -133,10 +138,7 @@ async def test_a_whole_answer_still_being_generated_is_no_sign_of_a_stall() -> N
     never makes its worker stalled; a stream on the same worker that goes quiet does."""
     held = HeldWorker()
     async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
-        pool, w = one_worker_pool(url)
-        cost, legs = TokenCost(), WorkerHTTP()
-        learned(cost, w)
-        watch = StallWatch(pool, cost, legs, None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+        pool, w, legs, watch = unscraped_watch(url)
 
         async def leg(silent: bool) -> bytes:
             async with legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={}, timeout=NO_TIMEOUT,
@@ -163,10 +165,7 @@ async def test_a_held_leg_counts_from_when_its_prefill_answered() -> None:
     has answered (`speak`) its silence is the worker's, counted from then."""
     held = HeldWorker()
     async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
-        pool, w = one_worker_pool(url)
-        cost, legs = TokenCost(), WorkerHTTP()
-        learned(cost, w)
-        watch = StallWatch(pool, cost, legs, None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+        pool, w, legs, watch = unscraped_watch(url)
         post = legs.post(url + "/v1/completions", data=b"{}", headers={}, timeout=NO_TIMEOUT, silent=True)
         task = asyncio.ensure_future(post)
         await wait_for(lambda: held.bodies, "leg at the worker")
