@@ -5,8 +5,8 @@ router) serves a small concurrent load (a few client streams of mixed short and 
 prompts, chat and completions, streamed and not) while each scenario in turn does one
 thing to it: kill -9 of a prefill engine, of a decode engine, of a decode worker's
 own process (its vLLM then shuts down on its own), of the KV store, of Redis; a prefill and a
-decode engine whose core stops while its API server answers (SIGSTOP); clients that hang up mid-stream; bad inputs. For every request a scenario
-saw, the outcome is one of: a full answer; a clean OpenAI error (status >= 400 with a
+decode engine whose core stops while its API server answers (SIGSTOP); clients that hang up
+mid-stream; bad inputs. For every request a scenario saw, the outcome is one of: a full answer; a clean OpenAI error (status >= 400 with a
 JSON `error` body, or an error event ending a stream); a hang (nothing within HANG_S);
 a 5xx without a JSON body; broken (cut stream, short answer, transport error); or an
 abort the client made on purpose. After the load stops, the scenario waits out the

@@ -58,9 +58,9 @@ class RouterConfig:
     queue_timeout: float = 30.0
     retry_after_s: int = 1
     prefill_timeout: float = 300.0
-    # a worker holding legs this long (and STALL_FACTOR times what their prompt tokens should take) without a
-    # byte on any is stalled: out of the pool until a canary is answered, its legs moved on (stall_watch.py);
-    # 0 turns a pool's watch off. Decode waits longer: its legs may wait for KV while a prefill runs
+    # a worker silent this long on every leg it owes bytes (and, before any of them runs, STALL_FACTOR times
+    # what its oldest leg's prompt should take) is stalled: out of the pool until a canary is answered, its legs
+    # moved on (stall_watch.py); 0 turns a pool's watch off. Decode waits longer: a KV load comes first
     prefill_stall_timeout: float = 10.0
     decode_stall_timeout: float = 30.0
     decode_timeout: float = 600.0
@@ -148,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-timeout", type=float, default=d["prefill_timeout"].default)
     for leg in ("prefill", "decode"):
         p.add_argument(f"--{leg}-stall-timeout", type=float, default=d[f"{leg}_stall_timeout"].default,
-                       help=f"a {leg} worker that holds requests this many seconds (and 4x what their prompt tokens "
-                            "should take at the learned speed) without sending a byte on any leaves the pool until "
-                            "a canary request is answered; its requests move on (0: off)")
+                       help=f"a {leg} worker silent this many seconds on every request it owes bytes (and, "
+                            "before any of them streams, 4x what its oldest prompt should take at the learned "
+                            "speed) leaves the pool until a canary request is answered; its requests move on "
+                            "(0: off)")
     p.add_argument("--decode-timeout", type=float, default=d["decode_timeout"].default,
                    help="seconds without a byte from the decode worker before the leg fails")
     p.add_argument("--health-interval", type=float, default=d["health_interval"].default)

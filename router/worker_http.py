@@ -463,10 +463,10 @@ class WorkerHTTP:
         silence is since the latest byte of any leg, with nothing to compute first. Otherwise it is since
         the oldest leg was sent, with that leg's prompt to compute (what came later waits behind it: a leg
         sent to a stuck worker does not move the clock)."""
-        legs = [c.response for c in self._open.get(_worker_key(url), ())
-                if c.response is not None and not c.response.silent]
-        if not legs or any(r._conn is not None and r._conn.paused for r in legs):
+        owing = [c for c in self._open.get(_worker_key(url), ()) if c.response is not None and not c.response.silent]
+        if not owing or any(c.paused for c in owing):
             return None
+        legs = [c.response for c in owing if c.response is not None]
         now = asyncio.get_running_loop().time()
         if any(r.bodied for r in legs):
             return now - max(r._heard for r in legs if r.heard_any), 0
