@@ -39,7 +39,8 @@ from pdserve.router.pool import Pool, Worker
 from pdserve.router.prefill_estimate import QueueEstimate
 from pdserve.router.queue_view import QueueView
 from pdserve.router.requests import PATHS, RequestHead, Route, read_body, validate
-from pdserve.router.stall_watch import StallWatch
+from pdserve.router.stall_reports import StallReports
+from pdserve.router.stall_watch import CANARY_TIMEOUT_S, StallWatch
 from pdserve.router.store_view import StoreView
 from pdserve.router.tokens import PromptTokens
 from pdserve.router.upstream import new_session
@@ -104,9 +105,12 @@ class Router:
             make_policy(self.cfg.decode_policy), self.legs_http, self.tokens, self.store, self.metrics, self.worker_headers,
             self.queue,
         )
+        # A report lives through a canary round (one health interval, or a canary's timeout) with room to spare.
+        self.stall_reports = (StallReports(self.cfg.redis_url, 2 * CANARY_TIMEOUT_S + 3 * self.cfg.health_interval)
+                              if self.cfg.redis_url else None)
         self.stalls = [
             StallWatch(pool, cost, self.legs_http, self.queue_view, self.http, self.worker_headers, timeout_s,
-                       self.cfg.health_interval, self.metrics)
+                       self.cfg.health_interval, self.metrics, self.stall_reports)
             for pool, cost, timeout_s in ((self.prefill, self.queue.prefill, self.cfg.prefill_stall_timeout),
                                           (self.decode, self.queue.recompute, self.cfg.decode_stall_timeout))
             if timeout_s > 0
@@ -136,6 +140,8 @@ class Router:
         await self.health.stop()
         for watch in self.stalls:
             await watch.stop()
+        if self.stall_reports is not None:
+            await self.stall_reports.close()
         if self.queue_view is not None:
             await self.queue_view.stop()
         await self.flow.drain()

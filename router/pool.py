@@ -49,6 +49,7 @@ class Worker:
     # (advertised URL, id) of the store its last prefill wrote to: where an overlapped decode waits
     produces_to: tuple[str, str | None] | None = None
     reported_load: int = 0  # running + waiting, from the worker's Redis heartbeat
+    started_at: float | None = None  # its Redis registration's: which vLLM of the worker a stall report is about
     model_cards: list[dict[str, Any]] | None = None  # its /v1/models entries, once fetched
     inflight: int = 0
     inflight_tokens: int = 0
@@ -169,6 +170,7 @@ class Pool:
             w.kvstore_url = rec.kvstore_url or w.kvstore_url
             w.kv_backend, w.lmcache_key = rec.kv_backend, rec.lmcache_key
             w.reported_load = sum(rec.load.get(k, 0) for k in ("running", "waiting"))
+            w.started_at = rec.started_at
         return new
 
     def _remove(self, wid: str) -> None:

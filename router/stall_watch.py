@@ -24,7 +24,8 @@ found dead: a prefill leg moves to another prefill worker or decode-only, a deco
 first token to another decode worker, a stream that has shown tokens ends with an error event.
 Its server sees the clients leave and aborts those requests once its core runs again. A canary
 completion (one prompt token, one output token) goes to it every health interval; the first one
-answered puts it back.
+answered puts it back. Until then, a worker that registered through Redis has a stall report there
+(stall_reports.py), on which its supervisor restarts its vLLM once it lasts.
 
 Silences that are not the worker's do not count (worker_http.py `silent`): a non-streamed decode
 answer sends nothing until its end however long it generates, an overlapped decode leg nothing
@@ -45,6 +46,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, Worker
 from pdserve.router.prefill_estimate import TokenCost
 from pdserve.router.queue_view import QueueView
+from pdserve.router.stall_reports import StallReports
 from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
 from pdserve.router.worker_http import WorkerHTTP
 
@@ -62,7 +64,7 @@ class StallWatch:
 
     def __init__(self, pool: Pool, cost: TokenCost, legs: WorkerHTTP, view: QueueView | None,
                  http: aiohttp.ClientSession, headers: dict[str, str], timeout_s: float, interval_s: float,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, reports: StallReports | None = None) -> None:
         self.pool = pool
         self.cost = cost  # the pool's learned speed per prompt token
         self.legs = legs  # the legs' client: when each worker last sent a byte, and cutting its legs
@@ -72,6 +74,8 @@ class StallWatch:
         self.timeout_s = timeout_s
         self.interval_s = interval_s  # between canaries to a stalled worker
         self.metrics = metrics
+        self.reports = reports  # where its supervisor hears of it (only with Redis discovery)
+        self._why: dict[Worker, str] = {}  # each stalled worker's verdict, for its report
         self._canaries: dict[Worker, asyncio.Task[bool]] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -99,7 +103,8 @@ class StallWatch:
             stalled.append(w)
             self.pool.set_stalled(w, True)
             self.metrics.stalls.labels(w.role, w.id).inc()
-            cut = self.legs.cut(w.url, f"{w.role} worker {w.url} sent nothing on its requests for {quiet:.1f} s")
+            why = self._why[w] = f"{w.role} worker {w.url} sent nothing on its requests for {quiet:.1f} s"
+            cut = self.legs.cut(w.url, why)
             log.warning("%s worker %s sent nothing it owed for %.1f s (window %.1f s, %d prompt tokens first; its "
                         "engine %s): out of the pool until a canary request is answered; moved %d request(s) on",
                         w.role, w.id, quiet, window, work,
@@ -107,7 +112,10 @@ class StallWatch:
         return stalled
 
     async def canary(self, w: Worker) -> bool:
-        """One tiny completion on `w`; True (and `w` back in the pool) when it was answered."""
+        """One tiny completion on `w`; True (and `w` back in the pool) when it was answered. Its stall report
+        is renewed before, and dropped once it answers."""
+        if self.reports is not None:
+            await self.reports.refresh(w, self._why.get(w, "stalled"))
         body: dict[str, Any] = {"prompt": [0], "max_tokens": 1, "temperature": 0.0}
         if w.models:
             body["model"] = min(w.models)
@@ -124,10 +132,15 @@ class StallWatch:
                         resp.status)
         elif self.pool.workers.get(w.id) is w:
             self.pool.set_stalled(w, False)
+            self._why.pop(w, None)
+            if self.reports is not None:
+                await self.reports.clear(w)
             log.warning("%s worker %s answered a canary request: back in the pool", w.role, w.id)
         return answered
 
     def _send_canaries(self) -> None:
+        for w in [w for w in self._why if self.pool.workers.get(w.id) is not w]:  # gone from the pool
+            del self._why[w]
         for w in list(self.pool.workers.values()):
             if w.stalled and w not in self._canaries:
                 task = self._canaries[w] = asyncio.create_task(self.canary(w))

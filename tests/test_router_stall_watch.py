@@ -10,15 +10,18 @@ import time
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 from aiohttp import web
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, Worker
 from pdserve.router.prefill_estimate import TokenCost
+from pdserve.router.stall_reports import StallReports
 from pdserve.router.stall_watch import STALL_FACTOR, StallWatch
 from pdserve.router.upstream import is_hard_failure
 from pdserve.router.worker_http import HIGH_WATER, WorkerHTTP
+from pdserve.worker.registration import Registrar, WorkerRecord, stall_key
 from worker_stubs import healthy, listening, serves_stub, worker_app
 
 TIMEOUT_S = 0.3
@@ -255,3 +258,52 @@ def test_a_window_grows_with_the_prompt_the_oldest_leg_computes_first() -> None:
     learned(cost, w)
     assert watch.window(5000) == pytest.approx(STALL_FACTOR * 5.0)  # 5 s of work at 1 ms a token
     assert watch.window(10) == TIMEOUT_S
+
+
+async def test_a_stalled_workers_report_reaches_its_registrar_and_goes_once_it_answers(redis_url: str) -> None:
+    """The router's stall report in Redis (stall_reports.py) is what a worker's supervisor restarts vLLM on:
+    it names the registration it was seen under, lives while the worker is out, and goes with its canary."""
+    held = HeldWorker()
+    async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
+        pool, w, legs, _ = unscraped_watch(url)
+        record = WorkerRecord(id=w.id, role="decode", url=url, model="stub")
+        w.started_at = record.started_at
+        registrar, later = Registrar(redis_url, record), Registrar(redis_url, WorkerRecord(
+            id=w.id, role="decode", url=url, model="stub", started_at=record.started_at + 1))
+        reports = StallReports(redis_url, ttl_s=30.0)
+        async with aiohttp.ClientSession() as http:
+            watch = StallWatch(pool, TokenCost(), legs, None, http, {}, TIMEOUT_S, 1.0, pool.metrics, reports)
+            learned(watch.cost, w)
+
+            async def held_leg() -> None:
+                async with legs.post(url + "/v1/completions", data=b"{}", headers={}, timeout=NO_TIMEOUT, work=1):
+                    pass
+
+            leg = asyncio.create_task(held_leg())
+            await wait_for(lambda: held.bodies, "leg at the worker")
+            await asyncio.sleep(2 * TIMEOUT_S)
+            assert watch.check() == [w]
+            await asyncio.gather(leg, return_exceptions=True)
+            assert await asyncio.to_thread(registrar.stall_report) is None  # not before the first canary round
+
+            canary = asyncio.create_task(watch.canary(w))
+            await wait_for(lambda: len(held.bodies) == 2, "canary at the worker")
+            report = await asyncio.to_thread(registrar.stall_report)
+            assert report is not None and report.reason.startswith(f"decode worker {url} sent nothing on its requests")
+            assert await asyncio.to_thread(later.stall_report) is None  # another vLLM of the worker: not its report
+
+            held.release.set()
+            assert await canary
+            assert await asyncio.to_thread(registrar.stall_report) is None
+
+            # A report is only ever the router's JSON: anything else in its key is ignored, and a worker that
+            # deregisters takes its report with it.
+            direct = aioredis.Redis.from_url(redis_url)
+            await direct.set(stall_key(w.id), b"\x80\x04not json")
+            assert await asyncio.to_thread(registrar.stall_report) is None
+            await reports.refresh(w, "stalled")
+            await asyncio.to_thread(registrar.stop)
+            assert await direct.get(stall_key(w.id)) is None
+            await direct.aclose()
+        await reports.close()
+        await legs.close()

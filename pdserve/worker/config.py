@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Literal, Sequence, get_args
@@ -65,6 +66,7 @@ class WorkerConfig:
     drain_timeout: float
     start_timeout: float
     unhealthy_timeout: float
+    stall_restart_timeout: float
     backoff: Backoff
     vllm_args: tuple[str, ...]
 
@@ -79,16 +81,25 @@ class WorkerConfig:
         """The URL the router is told to use."""
         return self.advertise_url or self.local_url
 
+    def _vllm_flag(self, flag: str) -> str | None:
+        """The (first) value of one of vLLM's flags among the user's, None when absent."""
+        args = list(self.vllm_args)
+        for i, arg in enumerate(args):
+            if arg == flag and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+        return None
+
     @property
     def served_model_name(self) -> str:
         """The name clients send as `model`: vLLM's first --served-model-name, else --model."""
-        args = list(self.vllm_args)
-        for i, arg in enumerate(args):
-            if arg == "--served-model-name" and i + 1 < len(args):
-                return args[i + 1]
-            if arg.startswith("--served-model-name="):
-                return arg.split("=", 1)[1]
-        return self.model
+        return self._vllm_flag("--served-model-name") or self.model
+
+    @property
+    def api_key(self) -> str | None:
+        """The key vLLM's server wants on requests (its --api-key, else VLLM_API_KEY), for the worker's own."""
+        return self._vllm_flag("--api-key") or os.environ.get("VLLM_API_KEY")
 
     @property
     def kv_url(self) -> str | None:
@@ -153,6 +164,10 @@ def build_parser(role: Role) -> argparse.ArgumentParser:
                         help="seconds to wait for vLLM to become healthy (then it is restarted)")
     parser.add_argument("--unhealthy-timeout", type=float, default=30.0,
                         help="restart a running vLLM whose /health has failed for this many seconds")
+    parser.add_argument("--stall-restart-timeout", type=float, default=60.0,
+                        help="restart a vLLM that routers have found answering none of its requests (its /health "
+                             "notwithstanding) for this many seconds, once it fails a request of the worker's own "
+                             "too; 0: never (needs --redis-url)")
     parser.add_argument("--max-restarts", type=int, default=Backoff.max_restarts,
                         help=f"give up after this many vLLM restarts within {Backoff.window_s:.0f} s")
     parser.add_argument("--restart-delay", type=float, default=Backoff.first_s,
@@ -186,6 +201,8 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
             raise WorkerError("--lmcache-url needs --kv-backend lmcache")
         if connector and not args.kvstore_url:
             raise WorkerError("--kvstore-url is required (or --no-connector to serve without KV transfer)")
+    if args.stall_restart_timeout < 0:
+        raise WorkerError(f"--stall-restart-timeout must not be negative, got {args.stall_restart_timeout}")
     if args.heartbeat_ttl <= 0:
         raise WorkerError(f"--heartbeat-ttl must be positive, got {args.heartbeat_ttl}")
     if args.max_restarts < 0 or not 0 <= args.restart_delay <= Backoff.max_s:
@@ -207,6 +224,7 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
         drain_timeout=args.drain_timeout,
         start_timeout=args.start_timeout,
         unhealthy_timeout=args.unhealthy_timeout,
+        stall_restart_timeout=args.stall_restart_timeout,
         backoff=Backoff(first_s=args.restart_delay, max_restarts=args.max_restarts),
         vllm_args=vllm_args,
     )

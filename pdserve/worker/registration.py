@@ -11,6 +11,12 @@ Contract shared with the worker launchers:
   channel `pdserve:membership`;
 - the router's `MembershipWatcher` (router/membership.py) subscribes to that channel
   and rescans `pdserve:worker:*` every `rescan_s`.
+
+And one the other way: a router that finds a worker's engine making no progress while its
+server answers /health (router/stall_watch.py) keeps `pdserve:stalled:<id>` set, a JSON
+`StallReport` naming that engine's registration, with `EX` a few canary rounds, and deletes it
+once the engine answers again. The worker's supervisor reads it each heartbeat and restarts
+vLLM when it lasts (worker/supervisor.py): the router alone cannot restart anything.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pdserve.kvstore.client.lmcache_mp import LMCacheKey
 log = logging.getLogger("pdserve.worker.registration")
 
 KEY_PREFIX = "pdserve:worker:"
+STALL_PREFIX = "pdserve:stalled:"
 CHANNEL = "pdserve:membership"
 DEFAULT_TTL_S = 10.0
 
@@ -58,7 +65,15 @@ class MembershipEvent(msgspec.Struct):
     record: WorkerRecord | None = None
 
 
+class StallReport(msgspec.Struct):
+    """A router's word that a worker's engine answers nothing it was sent."""
+
+    started_at: float  # the `WorkerRecord.started_at` of the registration it was seen under: one vLLM's life
+    reason: str  # what the router saw, for the worker's log
+
+
 _record_decoder = msgspec.json.Decoder(WorkerRecord)
+_stall_decoder = msgspec.json.Decoder(StallReport)
 event_decoder = msgspec.json.Decoder(MembershipEvent)  # what routers read from the channel
 
 
@@ -68,6 +83,10 @@ def new_worker_id(role: Role) -> str:
 
 def worker_key(worker_id: str) -> str:
     return KEY_PREFIX + worker_id
+
+
+def stall_key(worker_id: str) -> str:
+    return STALL_PREFIX + worker_id
 
 
 def decode_record(raw: bytes | str) -> WorkerRecord | None:
@@ -142,13 +161,30 @@ class Registrar:
         with self._lock:
             self.record.load = {k: int(v) for k, v in load.items()}
 
+    def stall_report(self) -> StallReport | None:
+        """A router's live report that this registration's engine is stalled, or None (also when Redis
+        cannot be read, or the report belongs to an earlier vLLM of this worker)."""
+        try:
+            raw = self._redis.get(stall_key(self.record.id))
+        except redis.RedisError as exc:
+            log.warning("reading stall reports for %s failed: %s", self.record.id, exc)
+            return None
+        if raw is None:
+            return None
+        try:
+            report = _stall_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("ignoring malformed stall report for %s: %s", self.record.id, exc)
+            return None
+        return report if report.started_at == self.record.started_at else None
+
     def stop(self) -> None:
         """Stop heartbeating, delete the key and publish `leave` so routers drop us at once."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         try:
-            self._redis.delete(self.key)
+            self._redis.delete(self.key, stall_key(self.record.id))  # a report was about this registration
             self._publish("leave")
             log.info("deregistered %s", self.record.id)
         except redis.RedisError as exc:

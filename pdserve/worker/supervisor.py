@@ -11,7 +11,10 @@ vllm.entrypoints.openai.api_server` child. It adds exactly what vLLM cannot know
   for in-flight requests to finish (bounded), and only then stops vLLM;
 - restarts: when vLLM exits (or stops answering /health for --unhealthy-timeout
   seconds) the worker deregisters at once, restarts it with doubling delays, and
-  registers again once it is healthy, so routers re-admit it through discovery. After
+  registers again once it is healthy, so routers re-admit it through discovery. A vLLM
+  whose server answers /health while its engine answers nothing (a hung core) is restarted
+  too, when routers have reported it stalled in Redis for --stall-restart-timeout seconds
+  and a request of the worker's own gets no answer either (registration.py's StallReport). After
   --max-restarts restarts within the backoff window it gives up: it logs why and exits
   with EXIT_GAVE_UP, which `pdserve up` takes as final. A vLLM that dies before it was
   ever healthy is not restarted: that is a start-up problem (bad flags, no memory) that
@@ -47,6 +50,9 @@ log = logging.getLogger("pdserve.worker")
 EXIT_GAVE_UP = 3
 # How often the supervisor looks at its vLLM process between heartbeats.
 TICK_S = 0.5
+# A reported stall's last check: a one-token request, which an engine that steps answers in well under this
+# (the routers that reported it have cut their requests on it).
+CANARY_TIMEOUT_S = 15.0
 
 # Run in a throwaway interpreter: importing vLLM costs seconds and hundreds of MB,
 # which the long-lived supervisor should not keep.
@@ -144,12 +150,13 @@ class WorkerSupervisor:
         self.ever_healthy = False  # some vLLM of this worker has: only then are exits restarted
         self.started_at = 0.0
         self.failing_since: float | None = None  # when a healthy vLLM's /health began to fail
+        self.reported_since: float | None = None  # since when routers report this vLLM stalled
 
     def _spawn_vllm(self) -> subprocess.Popen:
         # the user's own malloc settings win over the store-friendly defaults
         child = spawn(self.cfg.vllm_argv(self.extra_vllm_args), env={k: v for k, v in MALLOC_ENV.items() if k not in os.environ})
         log.info("%s %s: started vLLM (pid %d) on %s", self.cfg.role, self.cfg.worker_id, child.pid, self.cfg.local_url)
-        self.healthy, self.started_at, self.failing_since = False, time.monotonic(), None
+        self.healthy, self.started_at, self.failing_since, self.reported_since = False, time.monotonic(), None, None
         return child
 
     def _health_ok(self) -> bool:
@@ -206,6 +213,44 @@ class WorkerSupervisor:
                 self.registrar.update_load(**read_load(self.http, cfg.local_url))
             except httpx.HTTPError as exc:
                 log.warning("reading load from vLLM failed: %s", exc)
+            self._check_stall_report(now)
+
+    def _answers_canary(self) -> bool:
+        """Whether vLLM answers a one-token completion within CANARY_TIMEOUT_S."""
+        key = self.cfg.api_key
+        try:
+            resp = self.http.post(f"{self.cfg.local_url}/v1/completions", timeout=CANARY_TIMEOUT_S,
+                                  json={"model": self.cfg.served_model_name, "prompt": [0], "max_tokens": 1},
+                                  headers={"Authorization": f"Bearer {key}"} if key else None)
+        except httpx.HTTPError:
+            return False
+        if resp.status_code != 200:  # an answer all the same: its engine is not stuck
+            log.warning("vLLM refused the worker's own check request: HTTP %d %s", resp.status_code, resp.text[:200])
+        return True
+
+    def _check_stall_report(self, now: float) -> None:
+        """Restart a vLLM that routers have reported stalled for --stall-restart-timeout, unless it answers us."""
+        timeout, registrar = self.cfg.stall_restart_timeout, self.registrar
+        if not timeout or registrar is None:
+            return
+        report = registrar.stall_report()
+        if report is None:
+            self.reported_since = None
+            return
+        if self.reported_since is None:
+            self.reported_since = now
+            log.warning("%s %s: a router reports vLLM stalled (%s); restarting it if that lasts %.0f s",
+                        self.cfg.role, self.cfg.worker_id, report.reason, timeout)
+        if now - self.reported_since < timeout:
+            return
+        if self._answers_canary():  # the router's view, not the engine: say so and look again after another timeout
+            log.warning("%s %s: routers have reported vLLM stalled for %.0f s, but it answers the worker's own "
+                        "request; not restarting it", self.cfg.role, self.cfg.worker_id, now - self.reported_since)
+            self.reported_since = time.monotonic()
+            return
+        self._restart_unresponsive(
+            f"routers have reported vLLM stalled for {now - self.reported_since:.0f} s ({report.reason}) and it "
+            f"answered no request of the worker's own in {CANARY_TIMEOUT_S:.0f} s")
 
     def _supervise(self) -> int:
         """Until a signal: watch vLLM every tick, check it every ttl/3. 0 on a stop, else why not."""
