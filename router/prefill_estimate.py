@@ -59,6 +59,8 @@ ALPHA = 0.2  # weight of the newest leg: about the last ten legs count
 LEARN_MIN_TOKENS = 64
 # Legs a RecentMedian keeps: two slow ones of five do not move it, a lasting change shows in three.
 RECENT_LEGS = 5
+# Legs `TokenCost.longest` looks back over: enough that a run of prefix-cached prompts leaves an uncached one in.
+BOUND_LEGS = 32
 
 
 class RecentMedian:
@@ -87,6 +89,24 @@ class TokenCost:
         self._last_end: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
         self._open: weakref.WeakKeyDictionary[Worker, list[int]] = weakref.WeakKeyDictionary()  # open legs' tokens
         self._busy_since: weakref.WeakKeyDictionary[Worker, float] = weakref.WeakKeyDictionary()
+        self._legs: deque[tuple[float, float]] = deque(maxlen=BOUND_LEGS)  # (prompt tokens, service seconds)
+
+    def longest(self, tokens: int) -> float | None:
+        """What `tokens` prompt tokens could take at most, going by the recent legs (None before any, nor a
+        prior's). Not the mean speed: prompts served from a prefix cache take a fraction of what an uncached
+        one of the same length does, so the slowest of the recent legs at least as long, scaled down to
+        `tokens` (a prompt's time per token only grows with its length: its attention part does). Longer
+        than every recent leg, the longest one's time scaled up by the square of the ratio: n times the
+        tokens take at most n² times as long, where the mean speed of 2k-token prompts would leave a
+        64k-token prompt a fraction of its time. (Only the longest: a short leg's time is mostly fixed costs,
+        which the square would blow up.)"""
+        if not self._legs:
+            return self.prior.longest(tokens) if self.prior is not None else None
+        covering = [service * tokens / legs for legs, service in self._legs if legs >= tokens]
+        if covering:
+            return max(covering)
+        legs, service = max(self._legs)
+        return service * (tokens / legs) ** 2
 
     @property
     def per_token(self) -> float | None:
@@ -109,6 +129,7 @@ class TokenCost:
             return
         service = max(0.0, t_end - max(t_sent, last))
         self.recent.observe((t_end - t_sent) / max(float(tokens), backlog or 0.0))
+        self._legs.append((float(tokens), service))
         if self.samples == 0:
             self._seconds, self._tokens = service, float(tokens)
         else:

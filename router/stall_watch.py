@@ -10,9 +10,10 @@ So the router judges progress itself, from the bytes of the legs it has open on 
 (worker_http.py `silence`). While one of its legs runs (a stream that has shown a token), an
 engine that steps sends it more with every step: a worker silent on all its legs for its pool's
 stall timeout is stalled. While none runs yet, the oldest leg's prompt comes first: the silence
-since it was sent must also outlast STALL_FACTOR times what that prompt should take at the pool's
-learned speed (prefill_estimate.TokenCost: prefill legs, or decode-only recomputes; unknown, it
-is not judged), so a long first prompt is never cut for being long, and legs sent to a worker
+since it was sent must also outlast STALL_FACTOR times what that prompt could take going by the
+pool's recent legs (prefill_estimate.TokenCost.longest: prefill legs, or decode-only recomputes;
+before one has finished, it is not judged), so a long or uncached first prompt is not cut for
+being long, and legs sent to a worker
 that is already stuck do not move its clock. Where the router's /metrics scrapes run (queue_view.py,
 queue-aware paths on, while there is traffic), a worker whose engine was seen to step within the
 window is slow, not stuck. (Those samples move only on steps that give some request an output:
@@ -52,9 +53,9 @@ from pdserve.router.worker_http import WorkerHTTP
 
 log = logging.getLogger("pdserve.router.stall_watch")
 
-# How much longer than the learned speed says a worker may hold its open prompt tokens without a
-# byte on any: a batch of prompts ends together, and a loaded engine runs a few times slower
-# than the pool's recent mean, neither of which is a stall.
+# How much longer than the recent legs say a worker may hold its open prompt tokens without a byte on
+# any: a batch of prompts ends together, and a loaded engine runs a few times slower than it did
+# for them, neither of which is a stall.
 STALL_FACTOR = 4.0
 CANARY_TIMEOUT_S = 30.0  # a stalled worker's canary: a one-token prompt, alone in its engine once the legs were cut
 
@@ -66,7 +67,7 @@ class StallWatch:
                  http: aiohttp.ClientSession, headers: dict[str, str], timeout_s: float, interval_s: float,
                  metrics: RouterMetrics, reports: StallReports | None = None) -> None:
         self.pool = pool
-        self.cost = cost  # the pool's learned speed per prompt token
+        self.cost = cost  # the pool's recent legs: what a prompt could take
         self.legs = legs  # the legs' client: when each worker last sent a byte, and cutting its legs
         self.view = view  # the /metrics scrapes, when queue-aware paths are on: whether each engine still steps
         self.http = http
@@ -81,11 +82,11 @@ class StallWatch:
 
     def window(self, work: int) -> float | None:
         """Seconds a worker may stay silent with `work` prompt tokens to compute first; None when there are
-        some and the pool's speed is unknown."""
+        some and the pool has no leg to judge their time by."""
         if not work:
             return self.timeout_s
-        per_token = self.cost.per_token
-        return None if per_token is None else max(self.timeout_s, STALL_FACTOR * work * per_token)
+        longest = self.cost.longest(work)
+        return None if longest is None else max(self.timeout_s, STALL_FACTOR * longest)
 
     def check(self) -> list[Worker]:
         """Judge every worker of the pool now; returns the ones found stalled (their legs cut)."""

@@ -249,15 +249,24 @@ async def test_the_silence_runs_from_the_oldest_leg_or_the_latest_byte_of_a_runn
         await legs.close()
 
 
-def test_a_window_grows_with_the_prompt_the_oldest_leg_computes_first() -> None:
+def test_a_window_is_the_slowest_recent_legs_time_scaled_to_the_prompt_the_oldest_leg_computes_first() -> None:
     pool, w = one_worker_pool("http://p")
     cost = TokenCost()
     watch = StallWatch(pool, cost, WorkerHTTP(), None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
     assert watch.window(0) == TIMEOUT_S  # a running leg: the engine owes it bytes every step
     assert watch.window(5000) is None  # a prompt first, and no speed to judge its time by
-    learned(cost, w)
-    assert watch.window(5000) == pytest.approx(STALL_FACTOR * 5.0)  # 5 s of work at 1 ms a token
+    learned(cost, w)  # 1000 tokens in 1 s
+    assert watch.window(500) == pytest.approx(STALL_FACTOR * 0.5)
     assert watch.window(10) == TIMEOUT_S
+    # Longer than any leg seen: its attention part grows with its length, so up to the square of the ratio.
+    assert watch.window(5000) == pytest.approx(STALL_FACTOR * 25.0)
+    # Prompts of the same length served from a prefix cache, ten times faster: the mean speed falls, the
+    # window an uncached one gets does not.
+    for _ in range(10):
+        t = time.perf_counter()
+        cost.observe(w, 1000, t - 0.1, t)
+    assert cost.per_token is not None and cost.per_token < 2e-4
+    assert watch.window(1000) == pytest.approx(STALL_FACTOR * 1.0)
 
 
 async def test_a_stalled_workers_report_reaches_its_registrar_and_goes_once_it_answers(redis_url: str) -> None:
