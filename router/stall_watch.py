@@ -13,8 +13,8 @@ stall timeout is stalled. While none runs yet, the oldest leg's prompt comes fir
 since it was sent must also outlast STALL_FACTOR times what that prompt could take going by the
 pool's recent legs (prefill_estimate.TokenCost.longest: prefill legs, or decode-only recomputes;
 before one has finished, it is not judged), so a long or uncached first prompt is not cut for
-being long, and legs sent to a worker
-that is already stuck do not move its clock. Where the router's /metrics scrapes run (queue_view.py,
+being long, and legs sent to a worker that is already stuck do not move its clock. Where the
+router's /metrics scrapes run (queue_view.py,
 queue-aware paths on, while there is traffic), a worker whose engine was seen to step within the
 window is slow, not stuck. (Those samples move only on steps that give some request an output:
 vLLM 0.32's CPU engine showed no change through the 8 chunks of a 1947-token prompt, so they
@@ -28,10 +28,13 @@ completion (one prompt token, one output token) goes to it every health interval
 answered puts it back. Until then, a worker that registered through Redis has a stall report there
 (stall_reports.py), on which its supervisor restarts its vLLM once it lasts.
 
-Silences that are not the worker's do not count (worker_http.py `silent`): a non-streamed decode
-answer sends nothing until its end however long it generates, an overlapped decode leg nothing
-while it waits for its prefill's KV, and a stream paused for its slow reader is not the worker's
-doing.
+Silences that are not the worker's do not count (worker_http.py `silent`): an overlapped decode leg
+sends nothing while it waits for its prefill's KV, and a stream paused for its slow reader is not
+the worker's doing. A non-streamed decode answer (`unary`) sends nothing until its end however long
+it generates, so a worker holding only those is judged by its engine's counters alone: stalled when
+the scrapes have not seen its engine step for the window of its oldest such leg. Every decode step
+gives an output, which moves them; while such legs are open the watch keeps the scrapes going.
+Without scrapes (--no-pd-queue-aware) such a worker is not judged.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import aiohttp
 
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, Worker
-from pdserve.router.prefill_estimate import TokenCost
+from pdserve.router.prefill_estimate import LEARN_MIN_TOKENS, TokenCost
 from pdserve.router.queue_view import QueueView
 from pdserve.router.stall_reports import StallReports
 from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
@@ -81,9 +84,11 @@ class StallWatch:
         self._task: asyncio.Task[None] | None = None
 
     def window(self, work: int) -> float | None:
-        """Seconds a worker may stay silent with `work` prompt tokens to compute first; None when there are
-        some and the pool has no leg to judge their time by."""
-        if not work:
+        """Seconds a worker may stay silent with `work` prompt tokens to compute first; None when they are
+        many and the pool has no leg to judge their time by. A short prompt's time is fixed costs (one
+        engine step or a few): the stall timeout covers them, learned or not (a pool that serves only
+        short prompts learns nothing: prefill_estimate.LEARN_MIN_TOKENS)."""
+        if work < LEARN_MIN_TOKENS:
             return self.timeout_s
         longest = self.cost.longest(work)
         return None if longest is None else max(self.timeout_s, STALL_FACTOR * longest)
@@ -92,13 +97,21 @@ class StallWatch:
         """Judge every worker of the pool now; returns the ones found stalled (their legs cut)."""
         stalled = []
         for w in list(self.pool.workers.values()):
-            if w.stalled or (silence := self.legs.silence(w.url)) is None:
+            if w.stalled:
+                continue
+            silence, counters_only = self.legs.silence(w.url), False
+            if silence is None and self.view is not None and (silence := self.legs.generating(w.url)) is not None:
+                counters_only = True  # whole answers being generated: only its engine's counters can tell
+                self.view.touch()  # keep the scrapes going while they are all there is to judge by
+            if silence is None:
                 continue
             quiet, work = silence
             window = self.window(work)
             if window is None or quiet <= window:
                 continue
             still = self.view.engine_still_for(w) if self.view is not None else None
+            if still is None and counters_only:
+                continue
             if still is not None and still <= window:  # its engine stepped meanwhile: slow, not stuck
                 continue
             stalled.append(w)

@@ -54,6 +54,12 @@ class _Target(NamedTuple):
     head: bytes  # the request line and Host header
 
 
+def _oldest(legs: list[WorkerResponse], now: float) -> tuple[float, int]:
+    """Seconds since the oldest of `legs` was sent, and its prompt tokens: what its worker computes first."""
+    oldest = min(legs, key=lambda r: r.sent_at)
+    return now - oldest.sent_at, oldest.work
+
+
 def _worker_key(url: str) -> tuple[str, int, bool]:
     """(host, port, TLS) of a worker's base URL: what its connections are filed under."""
     parts = urlsplit(url)
@@ -102,7 +108,8 @@ class WorkerResponse:
         self.sent_at = self._heard = loop.time()  # _heard: when the worker last sent bytes
         self.heard_any = False  # a byte of it came (its head, at least)
         self.bodied = False  # a byte of its body came: a stream that runs, or a whole answer
-        self.silent = False  # sends nothing until its end, however long it runs: no sign of a stall (`silence`)
+        self.silent = False  # waits, sending nothing, for what is not the worker's doing: no sign of a stall
+        self.unary = False  # a whole answer generated: its engine steps with nothing sent (`generating`)
         self.work = 0  # prompt tokens the worker computes before its body can start (the stall watch's window)
         self._timer: asyncio.TimerHandle | None = None
         if self._sock_read or deadline is not None:
@@ -377,14 +384,16 @@ class WorkerHTTP:
         self._tls: ssl.SSLContext | None = None
 
     def post(self, url: str, *, data: bytes, headers: Mapping[str, str], timeout: aiohttp.ClientTimeout,
-             silent: bool = False, work: int = 0) -> _Post:
-        """`silent`: the answer comes whole at its end however long it runs (a non-streamed generation), so
-        its silence says nothing of the worker's progress (`silence` leaves it out). `work`: the prompt
-        tokens the worker computes before the body can start."""
-        return _Post(self._post(url, data, headers, timeout, silent, work))
+             silent: bool = False, unary: bool = False, work: int = 0) -> _Post:
+        """`silent`: the leg waits for something else before its worker can do anything (an overlapped decode
+        leg before its prefill answers: `speak` ends that), so its silence says nothing of the worker.
+        `unary`: the answer comes whole at its end however long it generates (a non-streamed generation), so
+        its bytes say nothing of the worker's progress either (`silence` leaves both out; `generating`).
+        `work`: the prompt tokens the worker computes before the body can start."""
+        return _Post(self._post(url, data, headers, timeout, silent, unary, work))
 
     async def _post(self, url: str, data: bytes, headers: Mapping[str, str],
-                    timeout: aiohttp.ClientTimeout, silent: bool, work: int) -> WorkerResponse:
+                    timeout: aiohttp.ClientTimeout, silent: bool, unary: bool, work: int) -> WorkerResponse:
         target = self._targets.get(url)
         if target is None:
             if len(self._targets) >= _TARGETS_MAX:
@@ -397,7 +406,7 @@ class WorkerHTTP:
         if conn is None:
             conn = await self._connect(target, timeout, deadline, loop)
         response = WorkerResponse(conn, timeout, deadline, loop)
-        response.silent, response.work = silent, work
+        response.silent, response.unary, response.work = silent, unary, work
         conn.send(response, head, data)
         try:
             await response._headed
@@ -457,21 +466,31 @@ class WorkerHTTP:
     def silence(self, url: str) -> tuple[float, int] | None:
         """How long the worker at `url` (its base URL) has sent nothing it owed on the legs open on it, and the
         prompt tokens it had to compute first; None when it owes nothing (no leg open, or one paused for its
-        slow reader: that silence is the reader's). Legs marked `silent` are left out.
+        slow reader: that silence is the reader's). Legs marked `silent` or `unary` are left out.
 
         While one of its legs runs (a body byte came), an engine that steps sends it more every step: the
         silence is since the latest byte of any leg, with nothing to compute first. Otherwise it is since
         the oldest leg was sent, with that leg's prompt to compute (what came later waits behind it: a leg
         sent to a stuck worker does not move the clock)."""
-        owing = [c for c in self._open.get(_worker_key(url), ()) if c.response is not None and not c.response.silent]
+        owing = [c for c in self._open.get(_worker_key(url), ()) if c.response is not None and not c.response.silent
+                 and not c.response.unary]
         if not owing or any(c.paused for c in owing):
             return None
         legs = [c.response for c in owing if c.response is not None]
         now = asyncio.get_running_loop().time()
         if any(r.bodied for r in legs):
             return now - max(r._heard for r in legs if r.heard_any), 0
-        oldest = min(legs, key=lambda r: r.sent_at)
-        return now - oldest.sent_at, oldest.work
+        return _oldest(legs, now)
+
+    def generating(self, url: str) -> tuple[float, int] | None:
+        """For a worker whose only legs (`silent` ones aside) are whole answers being generated (`unary`):
+        how long since the oldest was sent, and its prompt tokens; None when it has other legs, or none.
+        Their bytes say nothing until their end, so only its engine's own counters can show a stall."""
+        legs = [c.response for c in self._open.get(_worker_key(url), ()) if c.response is not None
+                and not c.response.silent]
+        if not legs or not all(r.unary for r in legs):
+            return None
+        return _oldest(legs, asyncio.get_running_loop().time())
 
     def cut(self, url: str, reason: str) -> int:
         """End every response open on the worker at `url` (its base URL) with a hard failure and drop its

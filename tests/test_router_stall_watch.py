@@ -16,7 +16,7 @@ from aiohttp import web
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool, Worker
-from pdserve.router.prefill_estimate import TokenCost
+from pdserve.router.prefill_estimate import LEARN_MIN_TOKENS, TokenCost
 from pdserve.router.stall_reports import StallReports
 from pdserve.router.stall_watch import STALL_FACTOR, StallWatch
 from pdserve.router.upstream import is_hard_failure
@@ -137,22 +137,23 @@ async def test_a_leg_paused_for_its_slow_reader_keeps_the_worker_in() -> None:
 
 
 async def test_a_whole_answer_still_being_generated_is_no_sign_of_a_stall() -> None:
-    """A non-streamed generation sends nothing until its end, however long it runs (`silent`): alone it
-    never makes its worker stalled; a stream on the same worker that goes quiet does."""
+    """A non-streamed generation sends nothing until its end, however long it runs (`unary`): alone, with no
+    scrapes of its engine, it never makes its worker stalled; a stream on the same worker that goes quiet
+    does."""
     held = HeldWorker()
     async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
         pool, w, legs, watch = unscraped_watch(url)
 
-        async def leg(silent: bool) -> bytes:
+        async def leg(unary: bool) -> bytes:
             async with legs.post(url + "/v1/completions", data=b'{"prompt": "p"}', headers={}, timeout=NO_TIMEOUT,
-                                 silent=silent) as resp:
+                                 unary=unary) as resp:
                 return await resp.read()
 
-        whole = asyncio.create_task(leg(silent=True))
+        whole = asyncio.create_task(leg(unary=True))
         await wait_for(lambda: held.bodies, "leg at the worker")
         await asyncio.sleep(2 * TIMEOUT_S)
         assert watch.check() == [] and not w.stalled
-        stream = asyncio.create_task(leg(silent=False))
+        stream = asyncio.create_task(leg(unary=False))
         await wait_for(lambda: len(held.bodies) == 2, "second leg at the worker")
         await asyncio.sleep(2 * TIMEOUT_S)
         assert watch.check() == [w]
@@ -190,9 +191,13 @@ class EngineSteps:
 
     def __init__(self, still_for: float | None) -> None:
         self.still_for = still_for
+        self.touched = 0  # asked to keep scraping
 
     def engine_still_for(self, _w: Worker) -> float | None:
         return self.still_for
+
+    def touch(self) -> None:
+        self.touched += 1
 
 
 async def test_a_quiet_worker_whose_engine_still_steps_is_slow_not_stalled() -> None:
@@ -215,6 +220,35 @@ async def test_a_quiet_worker_whose_engine_still_steps_is_slow_not_stalled() -> 
         assert watch.check() == [w]
         with pytest.raises(Exception):
             await task
+        await legs.close()
+
+
+async def test_a_worker_holding_only_whole_answers_is_judged_by_its_engines_counters() -> None:
+    """Non-streamed generations (`unary`) say nothing until their end, but every decode step moves the
+    engine's /metrics counters: with those scraped, a worker whose engine has not stepped for the window of
+    its oldest such leg is stalled; while they move, or with no fresh scrape, it is not."""
+    held = HeldWorker()
+    async with listening(worker_app(healthy, serves_stub, held.completions)) as (url,):
+        pool, w = one_worker_pool(url)
+        cost, legs, steps = TokenCost(), WorkerHTTP(), EngineSteps(still_for=None)
+        learned(cost, w)
+        watch = StallWatch(pool, cost, legs, steps, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
+
+        async def leg() -> None:
+            await legs.post(url + "/v1/completions", data=b"{}", headers={}, timeout=NO_TIMEOUT, unary=True,
+                            work=100)
+
+        task = asyncio.create_task(leg())
+        await wait_for(lambda: held.bodies, "leg at the worker")
+        await asyncio.sleep(2 * TIMEOUT_S)
+        assert watch.check() == [] and steps.touched == 1  # no scrape to tell: not judged, scrapes kept going
+        steps.still_for = 0.1
+        assert watch.check() == []  # it steps: generating
+        steps.still_for = 10.0
+        assert watch.check() == [w]
+        with pytest.raises(Exception) as err:
+            await task
+        assert is_hard_failure(err.value)  # moved on, as from a worker that went away
         await legs.close()
 
 
@@ -255,6 +289,7 @@ def test_a_window_is_the_slowest_recent_legs_time_scaled_to_the_prompt_the_oldes
     watch = StallWatch(pool, cost, WorkerHTTP(), None, None, {}, TIMEOUT_S, 1.0, pool.metrics)  # type: ignore[arg-type]
     assert watch.window(0) == TIMEOUT_S  # a running leg: the engine owes it bytes every step
     assert watch.window(5000) is None  # a prompt first, and no speed to judge its time by
+    assert watch.window(LEARN_MIN_TOKENS - 1) == TIMEOUT_S  # a short one: fixed costs, never learned
     learned(cost, w)  # 1000 tokens in 1 s
     assert watch.window(500) == pytest.approx(STALL_FACTOR * 0.5)
     assert watch.window(10) == TIMEOUT_S

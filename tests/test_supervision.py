@@ -5,8 +5,9 @@ that always exit, `StopFlag`'s handler (no call, so no lock), and a `pdserve up`
 parent with cheap children under a burst of nested signals. Then one real `pdserve up`
 (KV store, two decode workers on the tiny DeepSeek-V3, router, Redis discovery) shared
 by the fault tests: under load, kill -9 of one decode worker's engine core, then SIGSTOP of
-the other's server (hung, not dead); then kill -9 of the KV store; the last test stops
-the stack with Ctrl-C.
+the other's server (hung, not dead), then SIGSTOP of an engine core alone (its server answers
+/health: restarted on the router's stall reports); then kill -9 of the KV store; the last test
+stops the stack with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -309,26 +310,22 @@ def _wait(what: str, cond, up: UpStack, timeout: float = 2 * ENGINE_START_TIMEOU
 
 
 class Load:
-    """Chat requests through the router, one after another on a thread, each with its outcome; streamed ones
-    when `stream` (a stall shows only on what a worker streams: stall_watch.py)."""
+    """Chat requests through the router, one after another on a thread, each with its outcome."""
 
-    def __init__(self, up: UpStack, stream: bool = False) -> None:
+    def __init__(self, up: UpStack) -> None:
         self.up = up
-        self.stream = stream
         self.results: list[tuple[float, int]] = []  # (start, HTTP status or 0 for a transport error)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         body = {"model": self.up.model, "messages": [{"role": "user", "content": "count the stones"}],
-                "max_tokens": 8, "ignore_eos": True, "stream": self.stream}
+                "max_tokens": 8, "ignore_eos": True}
         with httpx.Client(timeout=120) as client:
             while not self._stop.is_set():
                 start = time.monotonic()
                 try:
-                    with client.stream("POST", f"{self.up.url}/v1/chat/completions", json=body) as resp:
-                        resp.read()
-                        status = resp.status_code
+                    status = client.post(f"{self.up.url}/v1/chat/completions", json=body).status_code
                 except httpx.HTTPError:
                     status = 0
                 self.results.append((start, status))
@@ -342,7 +339,7 @@ class Load:
         self._thread.join(HANG_S)
 
 
-def _fault_under_load(stack: UpStack, index: int, fault: Callable[[int], None], stream: bool = False) -> str:
+def _fault_under_load(stack: UpStack, index: int, fault: Callable[[int], None]) -> str:
     """Apply fault to decode-<index>'s vLLM server while chat requests flow through the router;
     check that the other worker serves every request meanwhile, that this one is restarted and
     re-admitted, and that `up` reported it down and kept running. Returns the worker's log."""
@@ -353,7 +350,7 @@ def _fault_under_load(stack: UpStack, index: int, fault: Callable[[int], None], 
     other_vllm = _child_of(_child_of(stack.popen.pid, "decode", f"--port {stack.decode_port + other} "),
                            "vllm.entrypoints.openai.api_server")
     worker_log = stack.log_dir / f"{name}.log"
-    with Load(stack, stream) as load:
+    with Load(stack) as load:
         _wait("a first answer", lambda: any(s == 200 for _, s in load.results), stack)
         fault(vllm)
         _wait(f"the router dropping {name}", lambda: _ready(stack).get("decode", {}).get("healthy") == 1, stack)
@@ -388,10 +385,10 @@ def test_hung_decode_server_is_restarted_after_failing_health(stack: UpStack) ->
 
 @pytest.mark.engine
 def test_stalled_decode_engine_is_restarted_on_the_routers_reports(stack: UpStack) -> None:
-    """A stopped engine core under a server that still answers /health: the router finds the worker silent on
-    its streams and reports it stalled in Redis; the worker restarts vLLM once that lasted and its own request
-    went unanswered too."""
-    log = _fault_under_load(stack, 1, lambda vllm: os.kill(_engine_core(vllm), signal.SIGSTOP), stream=True)
+    """A stopped engine core under a server that still answers /health: the router, whose requests there are
+    whole (non-streamed) answers, sees in the engine's /metrics that it no longer steps, and reports it stalled
+    in Redis; the worker restarts vLLM once that lasted and its own request went unanswered too."""
+    log = _fault_under_load(stack, 1, lambda vllm: os.kill(_engine_core(vllm), signal.SIGSTOP))
     router_log = (stack.log_dir / "router.log").read_text(errors="replace")
     assert re.search(r"decode worker decode-\S+ sent nothing it owed for [\d.]+ s", router_log), router_log[-3000:]
     assert "a router reports vLLM stalled (decode worker" in log

@@ -35,7 +35,8 @@ bench_serve() {  # INPUT_LEN NUM_PROMPTS CONCURRENCY...
     pdserve bench serve --compare --model /tmp/tiny-deepseek_v3 --input-len "$len" --output-len 128 \
         --num-prompts "$prompts" --max-concurrency "$@" --disable-tqdm --result-dir /tmp/bench-results \
         ${PD_RUNS:+--pd-runs $PD_RUNS} -- \
-        --load-format dummy --max-model-len 16384 --max-num-seqs 16 $ENGINE_ARGS --kv-cache-memory-bytes 8589934592
+        --load-format dummy --max-model-len 16384 --max-num-seqs 16 $ENGINE_ARGS --kv-cache-memory-bytes 8589934592 \
+        --gpu-memory-utilization 0.45
 }
 export -f bench_serve
 

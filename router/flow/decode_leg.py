@@ -124,7 +124,7 @@ class DecodeLegs:
             try:
                 resp = await self.http.post(  # a whole answer says nothing until its end, however long
                     slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout,
-                    silent=held or not call.stream, work=ctx.prompt_tokens,
+                    silent=held, unary=not call.stream, work=ctx.prompt_tokens,
                 )
             except UPSTREAM_ERRORS as exc:
                 slot.failed(exc)

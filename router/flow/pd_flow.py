@@ -287,7 +287,7 @@ class PDFlow:
         probe, producer = self.prefill.recheck, call.prefill_worker
         if probe is None or producer is None:  # no health checks: a dead producer cannot be told from a slow one
             leg = await decode
-            self._landed(call, leg, t_prefill_done)
+            self._landed(leg, t_prefill_done)
             return leg
         lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         call.producer_watch = ProducerWatch(producer, probe, lambda: lost.set_result(None))
@@ -297,7 +297,7 @@ class PDFlow:
             self._producer_lost(call)
             return await self.decode_legs.open(call, call.raw, ctx, set(), None)
         leg = decode.result()
-        self._landed(call, leg, t_prefill_done)
+        self._landed(leg, t_prefill_done)
         if call.stream and leg.resp.status == 200:  # the relay stops the watch at the first token
             call.producer_watch.on_lost = lambda: self._give_up(call, leg)
         else:  # a whole response (or an error) is there with its headers
@@ -305,12 +305,11 @@ class PDFlow:
         return leg
 
     @staticmethod
-    def _landed(call: Call, leg: DecodeLeg, t_prefill_done: float) -> None:
-        """The held leg's prefill answered at `t_prefill_done`: its stream's silence now says something of its
-        decode worker (the stall watch)."""
+    def _landed(leg: DecodeLeg, t_prefill_done: float) -> None:
+        """The held leg's prefill answered at `t_prefill_done`: its silence now says something of its decode
+        worker (the stall watch)."""
         leg.t_prefill_done = t_prefill_done
-        if call.stream:
-            leg.resp.speak()
+        leg.resp.speak()
 
     def _give_up(self, call: Call, leg: DecodeLeg) -> None:
         """The producer of a relayed leg that has no token yet is gone: make the relay retry it decode-only."""
