@@ -107,6 +107,7 @@ class BenchConfig:
     kv_backends: tuple[str, ...] = ("pdserve",)  # with --compare: one P/D stack per KV backend
     paired: bool = False  # with --compare at c=1: every stack up at once, requests alternating between labels
     pd_runs: tuple[str, ...] = ()  # with --compare: the P/D routers (PD_ROUTERS labels) that run, in this order; (): all
+    gpus: tuple[str, ...] = ()  # with --compare: each stack's workers take these GPUs in turn (StackConfig.gpus)
     vllm_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -127,6 +128,8 @@ class BenchConfig:
             raise ValueError("--pd-runs picks among the P/D routers --compare starts: add --compare")
         if self.paired and not self.compare:
             raise ValueError("--paired pairs the stacks --compare starts: add --compare")
+        if self.gpus and not self.compare:
+            raise ValueError("--gpus places the engines --compare starts: add --compare")
         # Rounds pair one request per label, so one is in flight at a time and each goes out when the last ends.
         if self.paired and (self.max_concurrency != (1,) or math.isfinite(self.request_rate)):
             raise ValueError("--paired sends one request at a time: give --max-concurrency 1 and no --request-rate")
@@ -976,7 +979,7 @@ def compare_stacks(cfg: BenchConfig) -> list[Run]:
         return StackConfig(model=model, served_model_name=served, tokenizer=model if Path(model).is_dir() else None,
                            vllm_args=tuple(vllm_args), engine_env=env, port=free_port(),
                            prefill_port=free_port(), decode_port=free_port(), kvstore_port=free_port(),
-                           kvstore_http_port=free_port(), api_key=cfg.api_key, **kw)
+                           kvstore_http_port=free_port(), api_key=cfg.api_key, gpus=cfg.gpus, **kw)
 
     stacks: list[Callable[[], AbstractContextManager[StackUp]]] = []
     if "pdserve" in cfg.kv_backends:
@@ -1119,6 +1122,8 @@ def _slo(value: str) -> tuple[str, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.deploy.local import gpu_list
+
     d = BenchConfig.__dataclass_fields__
     p = argparse.ArgumentParser(
         prog="pdserve bench serve",
@@ -1158,6 +1163,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --compare and --max-concurrency 1: every stack up at once, one request at a time "
                         "to each run label in turn (order rotated every round); adds each round's P/D minus "
                         "colocated TTFT and their median, free of the machine's drift between runs")
+    p.add_argument("--gpus", type=gpu_list, default=(),
+                   help="with --compare: each stack's engines take these GPUs in turn, prefill first (as `pdserve up "
+                        "--gpus`): 0,1 runs P/D's prefill engine on GPU 0 and its decode engine on GPU 1, and the "
+                        "colocated engine on GPU 0. Default: every engine where CUDA_VISIBLE_DEVICES says")
     return p
 
 
@@ -1174,7 +1183,8 @@ def config_from_args(argv: Sequence[str]) -> BenchConfig:
             max_concurrency=tuple(a.max_concurrency), request_rate=a.request_rate, num_warmups=a.num_warmups,
             seed=a.seed, goodput=dict(a.goodput), api_key=a.api_key, request_timeout=a.request_timeout,
             result_dir=a.result_dir, result_filename=a.result_filename, disable_tqdm=a.disable_tqdm,
-            compare=a.compare, kv_backends=tuple(a.kv_backends), paired=a.paired, pd_runs=tuple(a.pd_runs), vllm_args=tuple(vllm_args),
+            compare=a.compare, kv_backends=tuple(a.kv_backends), paired=a.paired, pd_runs=tuple(a.pd_runs),
+            gpus=a.gpus, vllm_args=tuple(vllm_args),
         )
     except ValueError as exc:
         parser.error(str(exc))

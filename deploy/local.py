@@ -78,6 +78,7 @@ class StackConfig:
     pd_min_prompt_tokens: int | None = None
     api_key: str | None = None
     router_args: tuple[str, ...] = ()
+    gpus: tuple[str, ...] = ()  # CUDA device ids the workers take in turn (prefill first); () leaves CUDA_VISIBLE_DEVICES alone
     log_dir: Path | None = None  # None: a fresh temp folder when the stack starts
     start_timeout: float = 900.0
 
@@ -100,6 +101,18 @@ class StackConfig:
     def worker_urls(self, role: str) -> list[str]:
         base, count = (self.prefill_port, self.num_prefill) if role == "prefill" else (self.decode_port, self.num_decode)
         return [f"http://127.0.0.1:{base + i}" for i in range(count)]
+
+    def placement(self) -> list[tuple[str, list[str]]]:
+        """Per worker (prefill workers first), its GPU's id and the vLLM flags that placing it there needs: ("", [])
+        for all without --gpus. Workers that share a GPU split its memory, as vLLM's default (about 0.9 of it) would
+        leave the second engine too little to start (an H100 refused one), unless the user set it."""
+        workers = self.num_prefill + self.num_decode
+        if not self.gpus:
+            return [("", [])] * workers
+        ids = [self.gpus[k % len(self.gpus)] for k in range(workers)]
+        own = any(a == "--gpu-memory-utilization" or a.startswith("--gpu-memory-utilization=") for a in self.vllm_args)
+        return [(gpu, [] if own or ids.count(gpu) == 1 else ["--gpu-memory-utilization", f"{0.9 / ids.count(gpu):.2f}"])
+                for gpu in ids]
 
 
 @dataclass
@@ -205,19 +218,19 @@ def build_components(cfg: StackConfig) -> list[Component]:
     comps: list[Component] = []
     if cfg.connector:
         comps.append(_store(cfg))
-    for role in ("prefill", "decode"):
-        for i, url in enumerate(cfg.worker_urls(role)):
-            argv = _pdserve(role, "--model", cfg.model, "--port", url.rsplit(":", 1)[1])
-            argv += _kv_flags(cfg)
-            if cfg.redis_url:
-                argv += ["--redis-url", cfg.redis_url]
-            vllm_args = list(cfg.vllm_args)
-            if cfg.served_model_name != cfg.model:
-                vllm_args += ["--served-model-name", cfg.served_model_name]
-            if cfg.api_key:
-                vllm_args += ["--api-key", cfg.api_key]
-            comps.append(Component(f"{role}-{i}", [*argv, "--", *vllm_args], _get_ok(f"{url}/health"),
-                                   env=dict(cfg.engine_env)))
+    workers = [(role, i, url) for role in ("prefill", "decode") for i, url in enumerate(cfg.worker_urls(role))]
+    for (role, i, url), (gpu, placed) in zip(workers, cfg.placement()):
+        argv = _pdserve(role, "--model", cfg.model, "--port", url.rsplit(":", 1)[1])
+        argv += _kv_flags(cfg)
+        if cfg.redis_url:
+            argv += ["--redis-url", cfg.redis_url]
+        vllm_args = [*placed, *cfg.vllm_args]
+        if cfg.served_model_name != cfg.model:
+            vllm_args += ["--served-model-name", cfg.served_model_name]
+        if cfg.api_key:
+            vllm_args += ["--api-key", cfg.api_key]
+        env = {**cfg.engine_env, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
+        comps.append(Component(f"{role}-{i}", [*argv, "--", *vllm_args], _get_ok(f"{url}/health"), env=env))
     router = _pdserve("router", "--host", cfg.host, "--port", str(cfg.port))
     if cfg.redis_url:
         router += ["--redis-url", cfg.redis_url, "--model", cfg.served_model_name]
@@ -409,6 +422,14 @@ def chat_once(base_url: str, model: str, prompt: str, api_key: str | None = None
     return "".join(text), ttft, tokens
 
 
+def gpu_list(text: str) -> tuple[str, ...]:
+    """`--gpus 0,1`: the device ids, as CUDA_VISIBLE_DEVICES takes them."""
+    gpus = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not gpus or any(not gpu.isdigit() for gpu in gpus):
+        raise argparse.ArgumentTypeError(f"device numbers separated by commas, e.g. 0,1; not {text!r}")
+    return gpus
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pdserve up",
@@ -435,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-connector", action="store_true", help="no KV store: the decode leg recomputes the prompt")
     p.add_argument("--pd-min-prompt-tokens", type=int, default=None, help="router: shorter prompts skip the prefill leg")
     p.add_argument("--api-key", default=None, help="Bearer key for clients; the workers get it too")
+    p.add_argument("--gpus", type=gpu_list, default=(),
+                   help="GPUs for the workers, one each in turn, prefill workers first: 0,1 puts the prefill worker on "
+                        "GPU 0 and the decode worker on GPU 1 (CUDA_VISIBLE_DEVICES); workers that share one split its "
+                        "memory (--gpu-memory-utilization 0.9/n unless given after --). Default: as CUDA_VISIBLE_DEVICES says")
     p.add_argument("--log-dir", type=Path, default=None, help="where each child's log goes (default: a temp folder)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the whole stack")
     p.add_argument("--no-demo", action="store_true", help="skip the demo chat request")
@@ -463,7 +488,7 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
             kvstore_http_port=a.kvstore_http_port, kvstore_l1_size_gb=a.kvstore_l1_size_gb,
             kv_backend=a.kv_backend, chunk_size=a.chunk_size,
             redis_url=a.redis_url, connector=not a.no_connector, pd_min_prompt_tokens=a.pd_min_prompt_tokens,
-            api_key=a.api_key, start_timeout=a.start_timeout, log_dir=a.log_dir,
+            api_key=a.api_key, gpus=a.gpus, start_timeout=a.start_timeout, log_dir=a.log_dir,
         )
     except ValueError as exc:
         parser.error(str(exc))

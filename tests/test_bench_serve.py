@@ -357,6 +357,13 @@ def test_pd_runs_takes_known_labels_once_with_compare(argv: list[str], why: str,
     assert config_from_args(["--compare", "--pd-runs", "pd-early-prefill", "pd"]).pd_runs == ("pd-early-prefill", "pd")
 
 
+def test_gpus_go_to_the_stacks_compare_starts(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        config_from_args(["--gpus", "0,1"])
+    assert "add --compare" in capsys.readouterr().err
+    assert config_from_args(["--compare", "--gpus", "0,1"]).gpus == ("0", "1")
+
+
 def test_pd_runs_start_only_their_routers_and_run_in_their_order(monkeypatch: pytest.MonkeyPatch) -> None:
     """--pd-runs decides which P/D routers the stack starts and the order its labels run each level in, so
     a run can put the label that usually goes last first (the first label of a level may pay for it)."""

@@ -43,6 +43,25 @@ def test_redis_mode_and_api_key_reach_workers_and_router() -> None:
     assert "--decode" not in router and router[router.index("--api-key") + 1] == "k"
 
 
+def test_gpus_place_one_worker_each_in_turn_and_shared_ones_split_the_memory() -> None:
+    def placed(*argv: str) -> dict[str, tuple[str | None, list[str]]]:
+        cfg, _ = parse_up_args(["--model", "m", "--no-connector", *argv])
+        return {c.name: (c.env.get("CUDA_VISIBLE_DEVICES"), c.argv[c.argv.index("--") + 1:])
+                for c in build_components(cfg) if c.name != "router"}
+
+    assert placed("--gpus", "0,1") == {"prefill-0": ("0", []), "decode-0": ("1", [])}
+    share = ["--gpu-memory-utilization", "0.45"]
+    assert placed("--gpus", "3", "--num-decode", "1") == {"prefill-0": ("3", share), "decode-0": ("3", share)}
+    assert placed("--gpus", "0,1", "--num-decode", "3") == {  # GPU 0: prefill-0, decode-1; GPU 1: decode-0, -2
+        "prefill-0": ("0", share), "decode-0": ("1", share), "decode-1": ("0", share), "decode-2": ("1", share)}
+    # The user's own split wins; without --gpus nothing is placed.
+    own = ["--gpu-memory-utilization", "0.3"]
+    assert placed("--gpus", "0", "--", *own) == {"prefill-0": ("0", own), "decode-0": ("0", own)}
+    assert placed() == {"prefill-0": (None, []), "decode-0": (None, [])}
+    with pytest.raises(SystemExit):
+        parse_up_args(["--model", "m", "--gpus", "0,gpu1"])
+
+
 @pytest.mark.engine
 def test_up_printed_url_curl_line_and_demo_reply(up_stack: UpStack) -> None:
     text = up_stack.text()

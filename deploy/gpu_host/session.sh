@@ -21,11 +21,13 @@
 #   v4               does this vLLM run a tiny DeepSeek-V4 (fp8_ds_mla), and does the connector save it
 # ENGINE_ARGS are the benchmark engines' extra flags: default none (CUDA graphs, as users run);
 # ENGINE_ARGS=--enforce-eager for the eager figures. PD_RUNS="pd-early-prefill pd" makes only those P/D runs,
-# in that order (bench serve --pd-runs). At most 8 files come back from $OUT.
+# in that order (bench serve --pd-runs). GPUS: the GPUs the benchmark engines take in turn, prefill first (bench
+# serve --gpus): default 0, every engine on one GPU, each with its share of the memory; GPUS=0,1 (a two-GPU host)
+# puts P/D's prefill and decode engines on a GPU each, as P/D is deployed. At most 8 files come back from $OUT.
 set -uo pipefail
 # shellcheck source=deploy/gpu_host/host_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/host_env.sh"
-export ENGINE_ARGS="${ENGINE_ARGS:-}" PD_RUNS="${PD_RUNS:-}"
+export ENGINE_ARGS="${ENGINE_ARGS:-}" PD_RUNS="${PD_RUNS:-}" GPUS="${GPUS:-0}"
 LIMIT="${STEP_LIMIT:-540}"
 
 bench_serve() {  # INPUT_LEN NUM_PROMPTS CONCURRENCY...
@@ -34,9 +36,8 @@ bench_serve() {  # INPUT_LEN NUM_PROMPTS CONCURRENCY...
     # shellcheck disable=SC2086
     pdserve bench serve --compare --model /tmp/tiny-deepseek_v3 --input-len "$len" --output-len 128 \
         --num-prompts "$prompts" --max-concurrency "$@" --disable-tqdm --result-dir /tmp/bench-results \
-        ${PD_RUNS:+--pd-runs $PD_RUNS} -- \
-        --load-format dummy --max-model-len 16384 --max-num-seqs 16 $ENGINE_ARGS --kv-cache-memory-bytes 8589934592 \
-        --gpu-memory-utilization 0.45
+        ${PD_RUNS:+--pd-runs $PD_RUNS} --gpus "$GPUS" -- \
+        --load-format dummy --max-model-len 16384 --max-num-seqs 16 $ENGINE_ARGS --kv-cache-memory-bytes 8589934592
 }
 export -f bench_serve
 
