@@ -67,6 +67,7 @@ def test_no_connector_leaves_kv_config_to_the_user() -> None:
         (["--model", "m", "--kvstore-url", "tcp://h:1", "--kv-transfer-config", "{}"], "builds --kv-transfer-config"),
         (["--model", "m", "--no-connector", "--", "--port", "1"], "pass --port to pdserve"),
         (["--model", "m", "--no-connector", "--heartbeat-ttl", "0"], "must be positive"),
+        (["--model", "m", "--no-connector", "--stall-restart-timeout", "-1"], "must not be negative"),
     ],
 )
 def test_bad_combinations_are_refused(argv: list[str], message: str) -> None:
