@@ -59,7 +59,7 @@ class RouterConfig:
     retry_after_s: int = 1
     prefill_timeout: float = 300.0
     # a worker silent this long on every leg it owes bytes (and, before any of them runs, STALL_FACTOR times
-    # what its oldest leg's prompt should take) is stalled: out of the pool until a canary is answered, its legs
+    # what its oldest leg's prompt could take going by the pool's recent legs) is stalled: out of the pool until a canary is answered, its legs
     # moved on (stall_watch.py); 0 turns a pool's watch off. Decode waits longer: a KV load comes first
     prefill_stall_timeout: float = 10.0
     decode_stall_timeout: float = 30.0
@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     for leg in ("prefill", "decode"):
         p.add_argument(f"--{leg}-stall-timeout", type=float, default=d[f"{leg}_stall_timeout"].default,
                        help=f"a {leg} worker silent this many seconds on every request it owes bytes (and, "
-                            "before any of them streams, 4x what its oldest prompt should take at the learned "
-                            "speed) leaves the pool until a canary request is answered; its requests move on "
+                            "before any of them streams, 4x what its oldest prompt could take going by the "
+                            "pool's recent requests) leaves the pool until a canary request is answered; its requests move on "
                             "(0: off)")
     p.add_argument("--decode-timeout", type=float, default=d["decode_timeout"].default,
                    help="seconds without a byte from the decode worker before the leg fails")

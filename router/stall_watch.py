@@ -14,9 +14,8 @@ since it was sent must also outlast STALL_FACTOR times what that prompt could ta
 pool's recent legs (prefill_estimate.TokenCost.longest: prefill legs, or decode-only recomputes;
 before one has finished, it is not judged), so a long or uncached first prompt is not cut for
 being long, and legs sent to a worker that is already stuck do not move its clock. Where the
-router's /metrics scrapes run (queue_view.py,
-queue-aware paths on, while there is traffic), a worker whose engine was seen to step within the
-window is slow, not stuck. (Those samples move only on steps that give some request an output:
+router's /metrics scrapes run (queue_view.py, queue-aware paths on, while there is traffic), a
+worker whose engine was seen to step within the window is slow, not stuck. (Those samples move only on steps that give some request an output:
 vLLM 0.32's CPU engine showed no change through the 8 chunks of a 1947-token prompt, so they
 cannot tell a long prompt from a stuck engine, only spare a stepping one.)
 

@@ -472,11 +472,11 @@ class WorkerHTTP:
         silence is since the latest byte of any leg, with nothing to compute first. Otherwise it is since
         the oldest leg was sent, with that leg's prompt to compute (what came later waits behind it: a leg
         sent to a stuck worker does not move the clock)."""
-        owing = [c for c in self._open.get(_worker_key(url), ()) if c.response is not None and not c.response.silent
-                 and not c.response.unary]
-        if not owing or any(c.paused for c in owing):
+        owing = [(c, r) for c in self._open.get(_worker_key(url), ())
+                 if (r := c.response) is not None and not r.silent and not r.unary]
+        if not owing or any(c.paused for c, _ in owing):
             return None
-        legs = [c.response for c in owing if c.response is not None]
+        legs = [r for _, r in owing]
         now = asyncio.get_running_loop().time()
         if any(r.bodied for r in legs):
             return now - max(r._heard for r in legs if r.heard_any), 0
