@@ -5,8 +5,10 @@ The upstream is `router_stub.py`, which answers at once, so the figures are the 
 the same number of streamed requests goes straight to the stub and through a `pdserve
 router` in front of it, alternating round by round so drift in the machine's load lands on
 both sides. Printed per level: TTFT p50 and p99 of each side, what the router adds at p50
-and p99, requests per second of each side and their ratio, and the router's CPU time per
-request (from /proc, so a slower router is told apart from a busier machine).
+and p99, requests per second of each side and their ratio, the router's CPU time per
+request (from /proc, so a slower router is told apart from a busier machine), and what the
+router adds to the first request of a new connection (p50), which the steady-state
+figures leave out: each side keeps its connections for the whole level.
 
 The load generator is aiohttp in this process, the stub and the router are child processes:
 three processes share the machine, as client, proxy and engine would.
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import sys
 import time
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import aiohttp
 import numpy as np
@@ -101,47 +105,74 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, tokens: in
     return ttft
 
 
-async def _run(url: str, body: bytes, cfg: RouterBenchConfig, concurrency: int, count: int, side: Side) -> None:
-    """`count` requests at `concurrency` in flight, added to `side`."""
-    marker = b'"content":" t' if cfg.route == "chat" else b'"text":" t'
+@asynccontextmanager
+async def _client(concurrency: int) -> AsyncIterator[aiohttp.ClientSession]:
+    """One side's client for a whole level: `concurrency` keep-alive connections, reused by every round."""
     connector = aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=60.0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60.0)) as session:
-        todo = iter(range(count))
+        yield session
 
-        async def worker() -> None:
-            for _ in todo:
-                try:
-                    ttft = await _one(session, url, body, cfg.tokens, marker)
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    ttft = None
-                if ttft is None:
-                    side.errors += 1
-                else:
-                    side.ttft.append(ttft)
 
+async def _run(session: aiohttp.ClientSession, url: str, body: bytes, cfg: RouterBenchConfig, concurrency: int,
+               count: int, side: Side) -> None:
+    """`count` requests at `concurrency` in flight, added to `side`.
+
+    The load generator's own garbage collection is off while they run and done after: a
+    full collection of this process took 25-38 ms on the 2-core VM and landed on whichever
+    side was running, as a tail that was neither side's.
+    """
+    marker = b'"content":" t' if cfg.route == "chat" else b'"text":" t'
+    todo = iter(range(count))
+
+    async def worker() -> None:
+        for _ in todo:
+            try:
+                ttft = await _one(session, url, body, cfg.tokens, marker)
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ttft = None
+            if ttft is None:
+                side.errors += 1
+            else:
+                side.ttft.append(ttft)
+
+    gc.disable()
+    try:
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         side.seconds += time.perf_counter() - start
+    finally:
+        gc.enable()
+        gc.collect()
 
 
 async def _measure(cfg: RouterBenchConfig, stub_url: str, router_url: str, router_pid: int) -> list[dict[str, Any]]:
+    """Every level, each side on its own keep-alive connections.
+
+    A level's first `concurrency` requests of each side open its connections: they are kept
+    apart (the new-connection column), because how often a client reconnects is the
+    client's choice, and mixing them in would make the tail a count of reconnections.
+    """
     body, path = _body(cfg), _path(cfg)
-    await _run(stub_url + path, body, cfg, 4, cfg.warmup, Side([]))
-    await _run(router_url + path, body, cfg, 4, cfg.warmup, Side([]))
     rows = []
     for conc in cfg.levels:
         direct, routed = Side([]), Side([])
-        per_round = cfg.requests // cfg.rounds
-        for _ in range(cfg.rounds):
-            await _run(stub_url + path, body, cfg, conc, per_round, direct)
-            cpu = processes.cpu_seconds(router_pid)
-            await _run(router_url + path, body, cfg, conc, per_round, routed)
-            routed.router_cpu_s += processes.cpu_seconds(router_pid) - cpu
-        rows.append(_row(conc, direct, routed))
+        direct_new, routed_new = Side([]), Side([])
+        async with _client(conc) as to_stub, _client(conc) as to_router:
+            await _run(to_stub, stub_url + path, body, cfg, conc, conc, direct_new)
+            await _run(to_router, router_url + path, body, cfg, conc, conc, routed_new)
+            await _run(to_stub, stub_url + path, body, cfg, conc, cfg.warmup, Side([]))
+            await _run(to_router, router_url + path, body, cfg, conc, cfg.warmup, Side([]))
+            per_round = cfg.requests // cfg.rounds
+            for _ in range(cfg.rounds):
+                await _run(to_stub, stub_url + path, body, cfg, conc, per_round, direct)
+                cpu = processes.cpu_seconds(router_pid)
+                await _run(to_router, router_url + path, body, cfg, conc, per_round, routed)
+                routed.router_cpu_s += processes.cpu_seconds(router_pid) - cpu
+        rows.append(_row(conc, direct, routed, direct_new, routed_new))
     return rows
 
 
-def _row(conc: int, direct: Side, routed: Side) -> dict[str, Any]:
+def _row(conc: int, direct: Side, routed: Side, direct_new: Side, routed_new: Side) -> dict[str, Any]:
     added50 = routed.pct_ms(50) - direct.pct_ms(50)
     added99 = routed.pct_ms(99) - direct.pct_ms(99)
     return {
@@ -153,18 +184,21 @@ def _row(conc: int, direct: Side, routed: Side) -> dict[str, Any]:
         "direct_rps": direct.rps, "router_rps": routed.rps,
         "rps_ratio": routed.rps / direct.rps if direct.rps else math.nan,
         "router_cpu_ms_per_request": 1000.0 * routed.router_cpu_s / max(1, len(routed.ttft)),
-        "errors": direct.errors + routed.errors,
+        "new_connection_added_p50_ms": routed_new.pct_ms(50) - direct_new.pct_ms(50),
+        "errors": direct.errors + routed.errors + direct_new.errors + routed_new.errors,
     }
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(f"{'conc':>5}{'direct p50':>12}{'p99':>8}{'router p50':>12}{'p99':>8}{'added p50':>11}{'p99':>8}"
-          f"{'p99/p50':>9}{'direct rps':>12}{'router rps':>12}{'ratio':>7}{'router CPU ms/req':>19}{'errors':>8}")
+          f"{'p99/p50':>9}{'direct rps':>12}{'router rps':>12}{'ratio':>7}{'router CPU ms/req':>19}{'new conn added p50':>20}"
+          f"{'errors':>8}")
     for r in rows:
         print(f"{r['concurrency']:>5}{r['direct_ttft_p50_ms']:>12.2f}{r['direct_ttft_p99_ms']:>8.2f}"
               f"{r['router_ttft_p50_ms']:>12.2f}{r['router_ttft_p99_ms']:>8.2f}{r['added_p50_ms']:>11.2f}"
               f"{r['added_p99_ms']:>8.2f}{r['added_p99_over_p50']:>9.2f}{r['direct_rps']:>12.0f}"
-              f"{r['router_rps']:>12.0f}{r['rps_ratio']:>7.2f}{r['router_cpu_ms_per_request']:>19.3f}{r['errors']:>8}")
+              f"{r['router_rps']:>12.0f}{r['rps_ratio']:>7.2f}{r['router_cpu_ms_per_request']:>19.3f}"
+              f"{r['new_connection_added_p50_ms']:>20.2f}{r['errors']:>8}")
 
 
 def run(cfg: RouterBenchConfig) -> list[dict[str, Any]]:
@@ -190,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=d.requests, help="per level and side")
     p.add_argument("--rounds", type=int, default=d.rounds,
                    help="direct and router runs alternate this many times per level")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured requests to each side first")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured requests to each side at each level first")
     p.add_argument("--tokens", type=int, default=d.tokens, help="token events per answer")
     p.add_argument("--prompt-chars", type=int, default=d.prompt_chars)
     p.add_argument("--route", choices=("completions", "chat"), default=d.route)
