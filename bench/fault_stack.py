@@ -285,7 +285,16 @@ class FaultStack:
         """kill -9 of a worker's own process group (the `pdserve decode`/`prefill` process, not the vLLM it
         runs: that is in a session of its own and gets SIGTERM from the kernel as its parent dies); the
         stack restarts the worker, which starts a fresh vLLM on the same port."""
-        pid = self.component(worker).popen.pid
+        return self._kill_group(worker)
+
+    def kill_router(self) -> int:
+        """kill -9 of the router: its connections to the clients and to the workers drop at once, with
+        overlapped decode legs waiting in the store and prefill legs mid-way; the stack restarts it on the same
+        port and it finds the workers again through Redis."""
+        return self._kill_group("router")
+
+    def _kill_group(self, name: str) -> int:
+        pid = self.component(name).popen.pid
         os.killpg(pid, signal.SIGKILL)
         return pid
 

@@ -4,7 +4,7 @@ One stack (bench/fault_stack.py: store, 1 prefill + 2 decode workers through Red
 router) serves a small concurrent load (a few client streams of mixed short and long
 prompts, chat and completions, streamed and not) while each scenario in turn does one
 thing to it: kill -9 of a prefill engine, of a decode engine, of a decode worker's
-own process (its vLLM then shuts down on its own), of the KV store, of Redis; a prefill and a
+own process (its vLLM then shuts down on its own), of the KV store, of Redis, of the router; a prefill and a
 decode engine whose core stops while its API server answers (SIGSTOP); clients that hang up
 mid-stream; bad inputs. For every request a scenario saw, the outcome is one of: a full answer; a clean OpenAI error (status >= 400 with a
 JSON `error` body, or an error event ending a stream); a hang (nothing within HANG_S);
@@ -47,6 +47,7 @@ HANG_S = 300.0  # per request: only a request that really hangs gets near it
 RECOVERY_S = 900.0  # a restarted vLLM takes 35-170 s to start on 2 shared cores
 SETTLE_S = 3 * TAIL_TTL_S + 60.0  # leaks are read once this has passed or everything is at 0
 STALL_SEEN_S = 180.0  # the router's stall windows under this load: 10-40 s (prefill), 30-60 s (decode) on 2 cores
+RECONNECT_S = 0.2  # a load stream's pause after a refused connection
 KINDS = ("full", "error", "aborted", "hang", "5xx_nojson", "broken")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 WORDS = "the river runs past the old stone bridge where the miller counts his sacks of grain".split()
@@ -171,8 +172,11 @@ class Load:
             while not self._stop.is_set():
                 shape = SHAPES[(index + n) % len(SHAPES)]
                 body = request_body(self.fs.model, shape, salt=1000 * index + n)
-                self.outcomes.append(send(client, self.fs.url, body, shape.route))
+                out = send(client, self.fs.url, body, shape.route)
+                self.outcomes.append(out)
                 n += 1
+                if out.kind == "broken" and out.detail.startswith("ConnectError"):
+                    self._stop.wait(RECONNECT_S)  # nothing listens (the router is restarting): a client backs off
 
     def full_since(self, t: float) -> int:
         return sum(1 for o in list(self.outcomes) if o.started >= t and o.kind == "full")
@@ -214,6 +218,12 @@ def killing(worker: str, kill: Callable[[FaultStack, str], int]) -> Callable[[Fa
 def kill_store(fs: FaultStack) -> list[Outcome]:
     old = fs.kill_store()
     wait_until(lambda: fs.component("kvstore").popen.pid != old, RECOVERY_S)
+    return []
+
+
+def kill_router(fs: FaultStack) -> list[Outcome]:
+    old = fs.kill_router()
+    wait_until(lambda: fs.component("router").popen.pid != old, RECOVERY_S)
     return []
 
 
@@ -321,6 +331,7 @@ SCENARIOS: tuple[tuple[str, Callable[[FaultStack], list[Outcome]]], ...] = (
     ("hung prefill engine", hanging("prefill-0")),
     ("hung decode engine", hanging("decode-1")),
     ("kill -9 decode worker", killing("decode-0", FaultStack.kill_worker)),
+    ("kill -9 router", kill_router),
 )
 
 

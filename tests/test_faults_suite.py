@@ -7,8 +7,9 @@ workers on the tiny DeepSeek-V3 discovered through this test's own redis-server
 mixed short/long, chat/completions, streamed/not: no fault, bad inputs (malformed
 structured_outputs, huge top_k, streamed and not, JSON nested 5000 deep, a body that
 stops half-way), client aborts mid-stream, kill -9 of Redis, of the KV store, of a
-decode engine, of a prefill engine and of a decode worker's own process (its vLLM then
-shuts down on its own), and a prefill and a decode engine whose core is stopped (SIGSTOP) while its API
+decode engine, of a prefill engine, of a decode worker's own process (its vLLM then
+shuts down on its own) and of the router (restarted on its port, the workers found again
+through Redis; the requests it held are cut, which the row counts as broken), and a prefill and a decode engine whose core is stopped (SIGSTOP) while its API
 server answers. Each scenario's row is asserted on: no hang,
 no 5xx without a JSON body, no live tail after the TTL, no request left in any
 engine or counted in flight by the router, and recovered (every part back, restarted ones included, and a normal request
