@@ -153,6 +153,9 @@ async def _measure(cfg: RouterBenchConfig, stub_url: str, router_url: str, route
     client's choice, and mixing them in would make the tail a count of reconnections.
     """
     body, path = _body(cfg), _path(cfg)
+    for url in (stub_url, router_url):  # both processes' first requests (lazy imports, caches) out of the figures
+        async with _client(4) as session:
+            await _run(session, url + path, body, cfg, 4, cfg.warmup, Side([]))
     rows = []
     for conc in cfg.levels:
         direct, routed = Side([]), Side([])
@@ -160,8 +163,6 @@ async def _measure(cfg: RouterBenchConfig, stub_url: str, router_url: str, route
         async with _client(conc) as to_stub, _client(conc) as to_router:
             await _run(to_stub, stub_url + path, body, cfg, conc, conc, direct_new)
             await _run(to_router, router_url + path, body, cfg, conc, conc, routed_new)
-            await _run(to_stub, stub_url + path, body, cfg, conc, cfg.warmup, Side([]))
-            await _run(to_router, router_url + path, body, cfg, conc, cfg.warmup, Side([]))
             per_round = cfg.requests // cfg.rounds
             for _ in range(cfg.rounds):
                 await _run(to_stub, stub_url + path, body, cfg, conc, per_round, direct)
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=d.requests, help="per level and side")
     p.add_argument("--rounds", type=int, default=d.rounds,
                    help="direct and router runs alternate this many times per level")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured requests to each side at each level first")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="unmeasured requests to each side first")
     p.add_argument("--tokens", type=int, default=d.tokens, help="token events per answer")
     p.add_argument("--prompt-chars", type=int, default=d.prompt_chars)
     p.add_argument("--route", choices=("completions", "chat"), default=d.route)
