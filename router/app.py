@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-            loop="uvloop", http=server_protocol(cfg.header_timeout), timeout_graceful_shutdown=5,
+            loop="uvloop", http=server_protocol(cfg.header_timeout, cfg.send_timeout), timeout_graceful_shutdown=5,
         )
     )
     tune_gc()  # after the imports and the app are built: those live as long as the process

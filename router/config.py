@@ -71,6 +71,7 @@ class RouterConfig:
     max_request_bytes: int = 16 << 20
     header_timeout: float = 30.0  # seconds for a client to send a request's head (request line and headers)
     body_timeout: float = 60.0  # seconds for a client to send its whole request body
+    send_timeout: float = 60.0  # seconds a client may take no byte of its answer before its connection is cut
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -84,7 +85,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         positive = ("max_inflight_per_worker", "prefill_timeout", "decode_timeout", "connect_timeout",
                     "health_interval", "breaker_failures", "max_request_bytes", "queue_timeout", "header_timeout",
-                    "body_timeout", "pd_queue_poll_interval")
+                    "body_timeout", "send_timeout", "pd_queue_poll_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -164,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client has to send a request's head; slower connections are closed")
     p.add_argument("--body-timeout", type=float, default=d["body_timeout"].default,
                    help="seconds a client has to send its whole request body; slower ones get 408")
+    p.add_argument("--send-timeout", type=float, default=d["send_timeout"].default,
+                   help="seconds a client may take no byte of its answer (as nginx's send_timeout); then its "
+                        "connection is cut and the request's worker slot freed")
     p.add_argument("--log-level", default=d["log_level"].default, type=str.lower,
                    choices=["debug", "info", "warning", "error"])
     return p
@@ -207,6 +211,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             max_request_bytes=a.max_request_bytes,
             header_timeout=a.header_timeout,
             body_timeout=a.body_timeout,
+            send_timeout=a.send_timeout,
             log_level=a.log_level,
         )
     except ValueError as exc:

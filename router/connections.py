@@ -1,11 +1,17 @@
 """The router's HTTP server connections: those that would hold it without ever finishing a request,
 and writes gathered into one send.
 
-uvicorn times out only idle connections between requests. Two holes are left, and
+uvicorn times out only idle connections between requests. Three holes are left, and
 closed here (the body's own deadline and size limit are in requests.py):
 - A request head that never completes (a connection that sends nothing, or a head
   sent a byte at a time) is held for good: `server_protocol` closes the
   connection when a head takes longer than `--header-timeout`.
+- A client that stops reading its answer holds it for good: uvicorn waits for the socket to
+  drain, the relay stops reading the worker, and the request keeps its slot on that worker
+  (`--max-inflight-per-worker`). Measured before this: four never-read streams on a worker
+  capped at four got every other request a 429 for as long as they stayed open. The protocol
+  aborts a connection whose writes stay paused with no byte taken for `--send-timeout` (as
+  nginx's `send_timeout`); the request then ends as for a client that hung up.
 - A request answered before its body was read (a 401, 404, 408 or 413) keeps its
   connection reading the rest of the body, and every byte that comes in resets the
   keep-alive timer: `CloseUnreadBodies` marks such answers `Connection: close`, which
@@ -23,11 +29,14 @@ longer than the callbacks already queued in the loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("pdserve.router.connections")
 
 
 class CloseUnreadBodies:
@@ -99,6 +108,9 @@ class GatheredWrites(asyncio.Transport):
     def is_closing(self) -> bool:
         return self._transport.is_closing()
 
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size()
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._transport.get_extra_info(name, default)
 
@@ -115,12 +127,15 @@ class GatheredWrites(asyncio.Transport):
         return self._transport.get_protocol()
 
 
-def server_protocol(timeout: float) -> type[HttpToolsProtocol]:
+def server_protocol(timeout: float, send_timeout: float) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, closing a connection whose request head is not in within `timeout` s,
+    aborting one that takes no byte of its answer for `send_timeout` s while its writes are paused,
     and writing through `GatheredWrites`.
 
-    The clock starts when the connection opens and again at a request's first byte
-    (a keep-alive connection waits for its next request under uvicorn's own timeout).
+    The head's clock starts when the connection opens and again at a request's first byte
+    (a keep-alive connection waits for its next request under uvicorn's own timeout). The send's
+    clock runs only while the transport has paused writing (its buffer over the high-water mark),
+    so a client that reads costs no timer at all.
     """
 
     class HeadDeadline(HttpToolsProtocol):
@@ -128,6 +143,8 @@ def server_protocol(timeout: float) -> type[HttpToolsProtocol]:
         # connection serving requests back to back would otherwise set and cancel one per request.
         _timer: asyncio.TimerHandle | None = None
         _head_since: float | None = None  # when the request head now coming began (None: none is)
+        _send_timer: asyncio.TimerHandle | None = None  # set while writing is paused
+        _unsent = 0  # bytes the transport held when the send timer was last set
 
         def _head_begins(self) -> None:
             self._head_since = self.loop.time()
@@ -143,6 +160,32 @@ def server_protocol(timeout: float) -> type[HttpToolsProtocol]:
                 self.transport.close()
             else:  # a later head than the one this timer was set for
                 self._timer = self.loop.call_at(due, self._expire)
+
+        def _watch_send(self) -> None:
+            self._unsent = self.transport.get_write_buffer_size()
+            self._send_timer = self.loop.call_later(send_timeout, self._send_expired)
+
+        def _send_expired(self) -> None:
+            """Still paused `send_timeout` s on: a client that took some bytes meanwhile gets another period,
+            one that took none is cut (abort: closing would wait for the buffer it does not read)."""
+            if self.transport.get_write_buffer_size() < self._unsent:
+                self._watch_send()
+                return
+            self._send_timer = None
+            log.info("client %s took no byte of its answer for %.0f s: connection aborted",
+                     self.client, send_timeout)
+            self.transport.abort()
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_timer is None:
+                self._watch_send()
+
+        def resume_writing(self) -> None:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+            super().resume_writing()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._gathered = GatheredWrites(transport, self.loop)
@@ -162,9 +205,10 @@ def server_protocol(timeout: float) -> type[HttpToolsProtocol]:
             super().on_response_complete()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            for timer in (self._timer, self._send_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._timer = self._send_timer = None
             super().connection_lost(exc)
 
     return HeadDeadline

@@ -1,5 +1,5 @@
 """The router's HTTP serving layer, fast tier: its completion routes' own error answers and the
-server connections' gathered writes (router/app.py, router/connections.py).
+server connections' gathered writes and deadlines (router/app.py, router/connections.py).
 
 The completion routes bypass the middleware stack, so what the stack did for them they must
 do themselves: answer bad input with OpenAI error JSON and close a connection whose body they
@@ -133,7 +133,7 @@ async def deadline_server() -> AsyncIterator[tuple[str, int]]:
     """uvicorn with the router's server protocol, a short head deadline and a long keep-alive."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(_ok, loop="none", http=server_protocol(HEAD_TIMEOUT_S), lifespan="off",
+    config = uvicorn.Config(_ok, loop="none", http=server_protocol(HEAD_TIMEOUT_S, 60.0), lifespan="off",
                             timeout_keep_alive=60, log_level="warning")
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -169,3 +169,99 @@ async def test_a_keep_alive_connection_waits_for_its_next_request_beyond_the_hea
     writer.write(b"GET / HTTP/1.1\r\n")  # a head begun after the idle time is held to the deadline again
     assert await _closed_by_server(reader)
     writer.close()
+
+
+SEND_TIMEOUT_S = 0.3
+STREAM_BYTES = 600_000
+PIECE = b"x" * 16384
+
+
+class Streamer:
+    """An ASGI app streaming STREAM_BYTES; records how each of its responses ended."""
+
+    def __init__(self) -> None:
+        self.ended: list[str] = []
+
+    async def __call__(self, _scope: object, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(STREAM_BYTES // len(PIECE)):
+            await send({"type": "http.response.body", "body": PIECE, "more_body": True})
+            await asyncio.sleep(0)  # a pass per piece, as the relay's come from the worker's reads
+        # uvicorn's send returns quietly once the client is gone; before the response's end, receive says so
+        self.ended.append("http.disconnect" if await _gone(receive) else "complete")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _gone(receive: Any) -> bool:
+    try:
+        return (await asyncio.wait_for(receive(), 0.05))["type"] == "http.disconnect"
+    except asyncio.TimeoutError:
+        return False
+
+
+@pytest.fixture
+async def stream_server() -> AsyncIterator[tuple[tuple[str, int], Streamer]]:
+    """uvicorn with the router's server protocol and a short send timeout. Its listening socket's small send
+    buffer (inherited by the connections) keeps the kernel from absorbing the answer: writes pause soon."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    sock.bind(("127.0.0.1", 0))
+    app = Streamer()
+    config = uvicorn.Config(app, loop="none", http=server_protocol(60.0, SEND_TIMEOUT_S), lifespan="off",
+                            log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield sock.getsockname()[:2], app
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _request(address: tuple[str, int]) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, address)
+    await asyncio.get_running_loop().sock_sendall(sock, b"GET / HTTP/1.1\r\nHost: r\r\n\r\n")
+    return sock
+
+
+async def _read(sock: socket.socket, size: int) -> bytes:
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, size), 5)
+    except ConnectionResetError:
+        return b""
+
+
+async def test_a_client_that_takes_no_byte_for_the_send_timeout_is_cut(stream_server) -> None:  # type: ignore[no-untyped-def]
+    address, app = stream_server
+    sock = await _request(address)
+    try:
+        await asyncio.sleep(4 * SEND_TIMEOUT_S)  # reads nothing
+        got = b""
+        while chunk := await _read(sock, 1 << 20):
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 200") and len(got) < STREAM_BYTES  # cut: what was buffered, then the end
+        assert app.ended == ["http.disconnect"]
+    finally:
+        sock.close()
+
+
+async def test_a_client_that_reads_slower_than_the_send_timeout_drains_is_not_cut(stream_server) -> None:  # type: ignore[no-untyped-def]
+    """8 KB every 0.1 s: draining the transport's buffer from its high-water mark to its low one takes longer
+    than the send timeout, so the timer fires while writing is paused, and finds bytes taken."""
+    address, app = stream_server
+    sock = await _request(address)
+    got = b""
+    try:
+        while not got.endswith(b"0\r\n\r\n"):
+            chunk = await _read(sock, 8192)
+            assert chunk, f"cut after {len(got)} bytes while reading"
+            got += chunk
+            await asyncio.sleep(0.1)
+    finally:
+        sock.close()
+    assert got.count(b"x") == STREAM_BYTES - STREAM_BYTES % len(PIECE) and app.ended == ["complete"]
