@@ -100,14 +100,20 @@ def _deeper_than(body: Any, limit: int) -> bool:
     return False
 
 
+def token_ids(value: Any) -> bool:
+    """True for a non-empty list of plain ints (a bool is not a token id). The check runs at C speed
+    (types mapped into a set): a prompt may hold a million ids, and this runs on the event loop, where
+    a generator over them took 0.17 s per pass for 1.9M ids on the 2-core VM."""
+    return isinstance(value, list) and bool(value) and set(map(type, value)) == {int}
+
+
 def _is_prompt(prompt: Any) -> bool:
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) or token_ids(prompt):
         return True
     if not isinstance(prompt, list) or not prompt:
         return False
-    if all(type(t) is int for t in prompt) or all(isinstance(p, str) for p in prompt):
-        return True
-    return all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt)
+    kinds = set(map(type, prompt))
+    return kinds == {str} or (kinds == {list} and all(map(token_ids, prompt)))
 
 
 def validate(route: Route, raw: bytes) -> dict[str, Any]:

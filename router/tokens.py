@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import aiohttp
 import msgspec
 
-from pdserve.router.requests import Route
+from pdserve.router.requests import Route, token_ids
 from pdserve.router.upstream import SIDE_REQUEST_ERRORS, describe
 
 log = logging.getLogger("pdserve.router.tokens")
@@ -140,8 +140,8 @@ def _load(path: str) -> Encoders:
 def given_ids(route: Route, body: dict[str, Any]) -> list[int] | None:
     """A completion's prompt given as token ids: counted without a tokenizer."""
     prompt = body.get("prompt")
-    if route == "completions" and isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        return prompt
+    if route == "completions" and token_ids(prompt):
+        return prompt  # type: ignore[no-any-return]
     return None
 
 

@@ -82,6 +82,11 @@ def test_config_rejects_bad_flags(argv: list[str]) -> None:
         ("chat", b'{"messages": [{"role": "user", "content": "x"}], "model": 3}', "model"),
         ("completions", b'{"prompt": 5}', "prompt"),
         ("completions", b'{"prompt": [1, "a"]}', "prompt"),
+        ("completions", b'{"prompt": [1, true]}', "prompt"),  # a bool is not a token id
+        ("completions", b'{"prompt": [[1, 2], []]}', "prompt"),
+        ("completions", b'{"prompt": [[1, 2], "a"]}', "prompt"),
+        ("completions", b'{"prompt": ["a", ["b"]]}', "prompt"),
+        ("completions", b'{"prompt": []}', "prompt"),
         ("completions", b'{"prompt": "x", "n": -1}', "n"),
         ("completions", b'{"prompt": "x", "n": 100000}', "n"),
         ("completions", b'{"prompt": "x", "best_of": 129}', "best_of"),

@@ -46,9 +46,10 @@ MIN_PREFIX_CHARS = 64  # the shortest text prefix whose hash the router keeps
 PREFIXES_KEPT = 1 << 16  # prefix hashes kept, newest first (a 8k-character prompt leaves 8; about 6 MB in all)
 
 
-def _is_batch(body: dict[str, Any]) -> bool:
+def _is_batch(body: dict[str, Any], given: list[int] | None) -> bool:
+    """Several prompts in one request; `given` is the prompt as token ids, if it is that (one prompt)."""
     prompt = body.get("prompt")
-    return isinstance(prompt, list) and len(prompt) > 1 and not all(type(t) is int for t in prompt)
+    return given is None and isinstance(prompt, list) and len(prompt) > 1
 
 
 def _forks(body: dict[str, Any]) -> bool:
@@ -93,7 +94,8 @@ class PathPlanner:
         with the prefill leg (`_early`)."""
         # a rough count for load accounting where no tokenization is needed (or none answers)
         ctx = RouteContext(model=call.model, prompt_tokens=self.tokens.estimate(len(call.raw)))
-        if _is_batch(call.body):
+        given = given_ids(call.route, call.body)
+        if _is_batch(call.body, given):
             return "decode_only_batch", ctx
         if _forks(call.body):
             return "decode_only_n", ctx
@@ -102,7 +104,7 @@ class PathPlanner:
             return "decode_only_no_prefill", ctx
         if self._overflows(call):  # judged on the body alone: no count, no lookup
             return "decode_only_too_long", ctx
-        if (given := given_ids(call.route, call.body)) is not None:
+        if given is not None:
             ctx.prompt_tokens, call.prompt_ids = len(given), given
         if self._early(call, ctx):
             call.verdict = asyncio.ensure_future(self._counted(call, ctx, prefill_workers, lookup=False))
@@ -168,7 +170,9 @@ class PathPlanner:
         ("decode_only_short", "decode_only_cached"), or None for P/D. Sets `call.prompt_ids` and the counts
         in `ctx`."""
         t = time.perf_counter()
-        ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
+        ids = call.prompt_ids  # given as token ids (plan): counted already
+        if ids is None:
+            ids = await self.tokens.ids(call.route, call.body, prefill_workers[0].url, body_size=len(call.raw))
         self._timed("tokenize", t)
         if ids is not None:
             ctx.prompt_tokens = len(ids)
