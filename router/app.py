@@ -88,7 +88,7 @@ class Router:
         self.http = new_session()
         self.legs_http = WorkerHTTP()  # the legs' own client: see worker_http.py
         self.health = HealthChecker((self.prefill, self.decode), self.http, self.worker_headers, self.cfg.health_interval,
-                                    on_dead=self._end_legs_on)
+                                    on_dead=self._end_legs_on, failures=self.cfg.health_failures)
         for pool in (self.prefill, self.decode):
             pool.recheck = lambda w, pool=pool: self.health.check_soon(pool, [w])[0]
         self.tokens = PromptTokens(self.http, self.worker_headers, self.cfg.tokenizer)

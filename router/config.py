@@ -66,6 +66,7 @@ class RouterConfig:
     decode_timeout: float = 600.0
     connect_timeout: float = 5.0
     health_interval: float = 2.0
+    health_failures: int = 2  # routine health checks failed in a row (not a refused connection) that take a worker out
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
     max_request_bytes: int = 16 << 20
@@ -84,8 +85,8 @@ class RouterConfig:
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         positive = ("max_inflight_per_worker", "prefill_timeout", "decode_timeout", "connect_timeout",
-                    "health_interval", "breaker_failures", "max_request_bytes", "queue_timeout", "header_timeout",
-                    "body_timeout", "send_timeout", "pd_queue_poll_interval")
+                    "health_interval", "health_failures", "breaker_failures", "max_request_bytes", "queue_timeout",
+                    "header_timeout", "body_timeout", "send_timeout", "pd_queue_poll_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -156,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-timeout", type=float, default=d["decode_timeout"].default,
                    help="seconds without a byte from the decode worker before the leg fails")
     p.add_argument("--health-interval", type=float, default=d["health_interval"].default)
+    p.add_argument("--health-failures", type=int, default=d["health_failures"].default,
+                   help="health checks failed in a row (timed out, reset, not 200) that take a worker out of the "
+                        "pool; one whose port refuses connections, or that a failed request made suspect, goes at once")
     p.add_argument("--breaker-failures", type=int, default=d["breaker_failures"].default,
                    help="consecutive failures that open a worker's circuit breaker")
     p.add_argument("--breaker-cooldown", type=float, default=d["breaker_cooldown"].default)
@@ -206,6 +210,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             decode_stall_timeout=a.decode_stall_timeout,
             decode_timeout=a.decode_timeout,
             health_interval=a.health_interval,
+            health_failures=a.health_failures,
             breaker_failures=a.breaker_failures,
             breaker_cooldown=a.breaker_cooldown,
             max_request_bytes=a.max_request_bytes,

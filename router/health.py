@@ -12,7 +12,11 @@ waits for open requests with no limit), and its client would wait until the deco
 (minutes). A
 check that times out, is reset, or gets a non-200 (an overloaded proxy in front of a worker may
 answer 503 while its streams are fine) takes the worker out of rotation but leaves its
-requests running.
+requests running, once `--health-failures` routine checks in a row have failed: a vLLM API
+server busy with one huge prompt misses a check now and then while it still serves (a 16 MB
+text prompt on the 2-core VM took each of the two workers of a `pdserve up` stack out for one
+check, and with a single decode worker 281 of 664 other requests got 503 meanwhile). A worker
+suspected already (a leg to it failed: `check_soon`) goes out on its first failed check.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import weakref
 from typing import Callable, Sequence
 
 import aiohttp
@@ -36,9 +41,10 @@ OnDead = Callable[[Worker, str], None]  # (the worker, why it is dead)
 class HealthChecker:
     def __init__(
         self, pools: Sequence[Pool], http: aiohttp.ClientSession, headers: dict[str, str], interval: float,
-        on_dead: OnDead | None = None,
+        on_dead: OnDead | None = None, failures: int = 1,
     ) -> None:
         self.pools = pools
+        self.failures = failures  # routine checks failed in a row that take a worker out
         self.on_dead = on_dead
         self.http = http
         self.headers = headers
@@ -46,6 +52,7 @@ class HealthChecker:
         self.timeout = aiohttp.ClientTimeout(total=min(interval, 5.0))
         self._task: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
+        self._missed: weakref.WeakKeyDictionary[Worker, int] = weakref.WeakKeyDictionary()  # failed checks in a row
 
     async def _probe(self, w: Worker) -> tuple[bool, str]:
         """(up, why it is dead): the reason is empty unless nothing listens on the worker's port."""
@@ -63,11 +70,18 @@ class HealthChecker:
             log.debug("health check of %s failed: %s", w.url, describe(exc))
             return False, f"/health: {describe(exc)}" if refused else ""
 
-    async def check(self, pool: Pool, w: Worker) -> bool:
-        """Check `w` and apply the result; True when it answered (a caller may act on a worker found down)."""
+    async def check(self, pool: Pool, w: Worker, suspected: bool = False) -> bool:
+        """Check `w` and apply the result; True when it answered (a caller may act on a worker found down).
+        A failed check takes it out only when nothing listens on its port, it was `suspected`, or the
+        routine checks before this one failed too (`failures` in a row)."""
         ok, dead = await self._probe(w)
+        missed = 0 if ok else self._missed.get(w, 0) + 1
+        self._missed[w] = missed
         if pool.workers.get(w.id) is w:  # it may have left while we waited
-            pool.set_health(w, ok)
+            if ok or dead or suspected or missed >= self.failures:
+                pool.set_health(w, ok)
+            else:
+                log.debug("%s worker %s missed a health check (%d in a row); still in the pool", w.role, w.id, missed)
         if dead and self.on_dead is not None:  # also when it left: what is open on it still waits
             self.on_dead(w, dead)
         return ok
@@ -80,7 +94,7 @@ class HealthChecker:
         checks run whether or not anyone awaits them."""
         tasks = []
         for w in workers:
-            task = asyncio.create_task(self.check(pool, w))
+            task = asyncio.create_task(self.check(pool, w, suspected=True))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
             tasks.append(task)
