@@ -141,7 +141,7 @@ def given_ids(route: Route, body: dict[str, Any]) -> list[int] | None:
     """A completion's prompt given as token ids: counted without a tokenizer."""
     prompt = body.get("prompt")
     if route == "completions" and token_ids(prompt):
-        return prompt  # type: ignore[no-any-return]
+        return prompt
     return None
 
 
