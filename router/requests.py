@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, TypeGuard
 
 import msgspec
 from starlette.requests import ClientDisconnect
@@ -100,7 +100,7 @@ def _deeper_than(body: Any, limit: int) -> bool:
     return False
 
 
-def token_ids(value: Any) -> bool:
+def token_ids(value: Any) -> TypeGuard[list[int]]:
     """True for a non-empty list of plain ints (a bool is not a token id). The check runs at C speed
     (types mapped into a set): a prompt may hold a million ids, and this runs on the event loop, where
     a generator over them took 0.17 s per pass for 1.9M ids on the 2-core VM."""
