@@ -81,3 +81,14 @@ def router(*flags: str, env: dict[str, str] | None = None) -> Iterator[tuple[str
     url = f"http://127.0.0.1:{port}"
     with service(router_argv(port, *flags), f"{url}/ready", f"router {' '.join(flags)}", env=env) as proc:
         yield url, proc
+
+
+@contextmanager
+def router_stub(tokens: int) -> Iterator[str]:
+    """`bench router`'s stub upstream (router_stub.py) streaming `tokens` token events, on a free port;
+    yields its URL once it answers."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "pdserve.bench.router_stub", "--port", str(port), "--tokens", str(tokens)]
+    with service(argv, f"{url}/health", "router stub"):
+        yield url

@@ -33,7 +33,6 @@ import numpy as np
 
 from pdserve.bench import processes
 from pdserve.bench.router_stub import MODEL
-from pdserve.deploy.ports import free_port
 from pdserve.worker.config import split_passthrough
 
 
@@ -204,11 +203,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 def run(cfg: RouterBenchConfig) -> list[dict[str, Any]]:
     """Start the stub and a router in front of it, measure every level, stop both."""
-    stub_port = free_port()
-    stub_url = f"http://127.0.0.1:{stub_port}"
-    stub_argv = [sys.executable, "-m", "pdserve.bench.router_stub", "--port", str(stub_port),
-                 "--tokens", str(cfg.tokens)]
-    with processes.service(stub_argv, f"{stub_url}/health", "router stub"), \
+    with processes.router_stub(cfg.tokens) as stub_url, \
             processes.router("--decode", stub_url, "--log-level", "warning", *cfg.router_args) as (router_url, proc):
         return asyncio.run(_measure(cfg, stub_url, router_url, proc.pid))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -19,15 +18,11 @@ import pytest
 
 from pdserve.bench import processes
 from pdserve.bench.router import RouterBenchConfig, _one, config_from_args, main
-from procs import free_port
 
 
 @pytest.fixture(scope="module")
 def stub() -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "pdserve.bench.router_stub", "--port", str(port), "--tokens", "3"]
-    with processes.service(argv, f"{url}/health", "stub"):
+    with processes.router_stub(3) as url:
         yield url
 
 

@@ -12,7 +12,6 @@ not cut: test_router_serving.py, where the server's buffers can be kept small.)
 from __future__ import annotations
 
 import socket
-import sys
 import time
 from typing import Callable, Iterator
 
@@ -20,7 +19,7 @@ import httpx
 import pytest
 
 from pdserve.bench import processes
-from procs import Proc, free_port
+from procs import Proc
 from router_fixtures import metric, start_router
 
 SEND_TIMEOUT_S = 1.0
@@ -32,10 +31,7 @@ _REQUEST = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: applicat
 
 @pytest.fixture(scope="module")
 def router() -> Iterator[Proc]:
-    port = free_port()
-    stub = f"http://127.0.0.1:{port}"
-    argv = [sys.executable, "-m", "pdserve.bench.router_stub", "--port", str(port), "--tokens", "60000"]
-    with processes.service(argv, f"{stub}/health", "stub"):
+    with processes.router_stub(60000) as stub:
         proc = start_router("--decode", stub, "--send-timeout", str(SEND_TIMEOUT_S),
                             "--max-inflight-per-worker", str(CAP), "--queue-timeout", "2")
         try:
