@@ -138,7 +138,7 @@ def server_protocol(timeout: float, send_timeout: float) -> type[HttpToolsProtoc
     so a client that reads costs no timer at all.
     """
 
-    class HeadDeadline(HttpToolsProtocol):
+    class ClientDeadlines(HttpToolsProtocol):
         # One timer at a time, checked when it fires rather than moved for every request: a keep-alive
         # connection serving requests back to back would otherwise set and cancel one per request.
         _timer: asyncio.TimerHandle | None = None
@@ -211,4 +211,4 @@ def server_protocol(timeout: float, send_timeout: float) -> type[HttpToolsProtoc
             self._timer = self._send_timer = None
             super().connection_lost(exc)
 
-    return HeadDeadline
+    return ClientDeadlines
