@@ -310,10 +310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     prometheus_client.disable_created_metrics()  # `_created` series double /metrics for no use here
+    app = create_app(cfg)
+    protocol = server_protocol(cfg.header_timeout, cfg.send_timeout, app.state.router.metrics.send_timeouts.inc)
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-            loop="uvloop", http=server_protocol(cfg.header_timeout, cfg.send_timeout), timeout_graceful_shutdown=5,
+            app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
+            loop="uvloop", http=protocol, timeout_graceful_shutdown=5,
         )
     )
     tune_gc()  # after the imports and the app are built: those live as long as the process

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -127,10 +127,11 @@ class GatheredWrites(asyncio.Transport):
         return self._transport.get_protocol()
 
 
-def server_protocol(timeout: float, send_timeout: float) -> type[HttpToolsProtocol]:
+def server_protocol(timeout: float, send_timeout: float,
+                    on_send_timeout: Callable[[], None] = lambda: None) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, closing a connection whose request head is not in within `timeout` s,
-    aborting one that takes no byte of its answer for `send_timeout` s while its writes are paused,
-    and writing through `GatheredWrites`.
+    aborting one that takes no byte of its answer for `send_timeout` s while its writes are paused
+    (and calling `on_send_timeout`), and writing through `GatheredWrites`.
 
     The head's clock starts when the connection opens and again at a request's first byte
     (a keep-alive connection waits for its next request under uvicorn's own timeout). The send's
@@ -174,6 +175,7 @@ def server_protocol(timeout: float, send_timeout: float) -> type[HttpToolsProtoc
             self._send_timer = None
             log.info("client %s took no byte of its answer for %.0f s: connection aborted",
                      self.client, send_timeout)
+            on_send_timeout()
             self.transport.abort()
 
         def pause_writing(self) -> None:

@@ -104,6 +104,12 @@ class RouterMetrics:
             ["pool"], registry=r,
         )
         self.retries = Counter("pdserve_router_retries", "Legs retried on another worker", ["leg"], registry=r)
+        self.send_timeouts = Counter(
+            "pdserve_router_send_timeouts",
+            "Client connections aborted because they took no byte of their answer for --send-timeout "
+            "(the request ended as for a client that hung up)",
+            registry=r,
+        )
         self.producer_lost = Counter(
             "pdserve_router_producer_lost",
             "Overlapped decode legs given up before their first token because their prefill worker was found "

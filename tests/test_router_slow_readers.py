@@ -81,3 +81,4 @@ def test_clients_that_never_read_are_cut_and_free_their_worker(router: Proc) -> 
         for sock in stuck:
             sock.close()
     assert "took no byte of its answer" in router.log_tail(20000)
+    assert metric(router.url, "pdserve_router_send_timeouts_total") == CAP
