@@ -22,6 +22,7 @@ from procs import free_port
 from pdserve.kvstore.client import protocol as p
 from pdserve.bench.kvstore_throughput import main as bench_main
 from pdserve.kvstore.client.client import AsyncKVStoreClient, KVStoreClient, KVStoreError
+from pdserve.kvstore.server.http import IDLE_TIMEOUT_S
 from pdserve.kvstore.server.main import main as server_main
 from pdserve.kvstore.client.shm import Arena
 
@@ -102,6 +103,26 @@ def test_http_health_metrics_stats(server: KVStoreProc) -> None:
 
 
 # ------------------------------------------------------------------ LRU and leases under concurrency
+
+
+def test_idle_http_connections_are_closed_and_free_their_threads(server: KVStoreProc) -> None:
+    """Each open connection to the HTTP side door holds a thread: ones that send nothing are closed after
+    IDLE_TIMEOUT_S, and /health answers meanwhile (before, 500 of them held 500 threads for good)."""
+    threads = lambda: len(os.listdir(f"/proc/{server.proc.pid}/task"))  # noqa: E731
+    before = threads()
+    idle = [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(50)]
+    try:
+        wait_until(lambda: threads() >= before + 50, "a thread per idle connection")
+        with urllib.request.urlopen(server.http + "/health", timeout=5) as r:
+            assert r.status == 200
+        for sock in idle:
+            sock.settimeout(3 * IDLE_TIMEOUT_S)
+            assert sock.recv(1) == b""  # closed by the store
+        wait_until(lambda: threads() <= before, "the idle connections' threads to end")
+    finally:
+        for sock in idle:
+            sock.close()
+
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
