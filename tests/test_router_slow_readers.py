@@ -12,15 +12,14 @@ not cut: test_router_serving.py, where the server's buffers can be kept small.)
 from __future__ import annotations
 
 import socket
-import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
 
 from pdserve.bench import processes
 from procs import Proc
-from router_fixtures import metric, start_router
+from router_fixtures import metric, start_router, wait_until
 
 SEND_TIMEOUT_S = 1.0
 CAP = 2
@@ -53,21 +52,14 @@ def _inflight(router: Proc) -> float:
     return metric(router.url, "pdserve_router_inflight", {"role": "decode"})
 
 
-def _wait_for(what: str, holds: Callable[[], bool], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while not holds():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 def test_clients_that_never_read_are_cut_and_free_their_worker(router: Proc) -> None:
     stuck = [_reader(router) for _ in range(CAP)]
     try:
-        _wait_for("the two streams to take the worker's slots", lambda: _inflight(router) == CAP, 10)
+        wait_until(lambda: _inflight(router) == CAP, 10, "the two streams taking the worker's slots")
         # The worker is full; the stuck streams are let go after the send timeout, and this one is served.
         served = httpx.post(f"{router.url}/v1/completions", json={"model": "stub", "prompt": "hi"}, timeout=30)
         assert served.status_code == 200 and served.json()["choices"][0]["text"].startswith(" t0 t1")
-        _wait_for("the stuck streams' slots to be freed", lambda: _inflight(router) == 0, 10)
+        wait_until(lambda: _inflight(router) == 0, 10, "the stuck streams' slots freed")
         for sock in stuck:  # what was sent before the cut can still be read, then the connection ends
             sock.settimeout(10)
             got = b""

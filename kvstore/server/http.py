@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdserve.kvstore.server.metrics import Metrics
 
-IDLE_TIMEOUT_S = 5.0  # a request, or the next one on a kept-alive connection, must come within this
+IDLE_TIMEOUT_S = 5.0  # a connection's request must come within this (HTTP/1.0: one request per connection)
 BACKLOG = 128
 
 
