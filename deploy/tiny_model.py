@@ -27,13 +27,15 @@ TINY_ARCH = "deepseek_v3"
 TINY_SERVED_NAME = "tiny-deepseek-v3"
 # Engine settings for the tiny model on a small CPU machine: random weights, short
 # context, no graph capture, an explicit 256 MiB KV cache (vLLM's CPU default takes
-# most of the RAM) and one unpinned OpenMP thread per engine, so a prefill and a
-# decode engine do not fight over the same core.
+# most of the RAM), one unpinned OpenMP thread per engine, so a prefill and a
+# decode engine do not fight over the same core, and vLLM's queue readers spinning 0.05 s
+# instead of 1 s after each message (kvstore/connector/idle_spin.py: engines sharing cores).
 TINY_VLLM_ARGS: tuple[str, ...] = (
     "--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", "8",
     "--kv-cache-memory-bytes", str(256 << 20), "--enforce-eager",
 )
-TINY_ENGINE_ENV: dict[str, str] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+TINY_ENGINE_ENV: dict[str, str] = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+                                   "PDSERVE_VLLM_SPIN_S": "0.05"}
 
 # Tiny DeepSeek-V3: MLA (512 latent + 64 rope = 576-wide KV), MoE with 8 routed experts.
 # DeepSeek's own head dims (qk_nope 128, rope 64, v 128): sm90's MLA prefill kernels take only

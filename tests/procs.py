@@ -27,6 +27,7 @@ from typing import Callable, Mapping, Sequence, Union
 
 from pdserve.bench.fault_stack import redis_pongs
 from pdserve.deploy.ports import free_port  # noqa: F401  (tests import it from here with the rest)
+from pdserve.deploy.tiny_model import TINY_ENGINE_ENV
 
 # Flags that keep a tiny CPU engine small and quick to start (measured: see tests/test_tiny_model.py).
 # The KV cache size must be explicit on the CPU (otherwise vLLM reserves 90% of RAM and refuses to
@@ -39,11 +40,10 @@ ENGINE_ARGS: tuple[str, ...] = (
     "--kv-cache-memory-bytes", str(256 * 2**20),
     "--enforce-eager",
 )
-# vLLM's default binding ("auto") pins every engine's worker to core 0 of this 2-core machine,
-# so a prefill and a decode engine would share one core: let the OS place one thread each.
+# The tiny stack's engine settings (one unpinned OpenMP thread each: vLLM's default binding pins
+# every engine's worker to core 0 of this 2-core machine; a short idle spin), and nothing online.
 ENGINE_ENV: dict[str, str] = {
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": "1",
+    **TINY_ENGINE_ENV,
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",

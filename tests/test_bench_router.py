@@ -72,9 +72,10 @@ def test_the_bench_measures_both_sides(tmp_path: Path, capsys: pytest.CaptureFix
     assert [r["concurrency"] for r in rows] == [1, 4]
     for r in rows:
         assert r["errors"] == 0
-        for key in ("direct_ttft_p50_ms", "router_ttft_p99_ms", "direct_rps", "router_rps",
-                    "new_connection_added_p50_ms"):
+        for key in ("direct_ttft_p50_ms", "router_ttft_p99_ms", "direct_rps", "router_rps"):
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        # a difference of two medians: on a busy machine the router's side may come out no slower
+        assert math.isfinite(r["new_connection_added_p50_ms"]), r
         assert r["router_cpu_ms_per_request"] > 0  # the router's process did the work
     assert "router CPU ms/req" in capsys.readouterr().out
 

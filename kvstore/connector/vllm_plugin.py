@@ -11,9 +11,13 @@ asks when it first runs an AMX matmul, but vLLM-CPU's attention picks its AMX ke
 on such hosts without asking. An engine whose first forward runs after its prompt's KV
 was loaded (a P/D decode worker) reaches that kernel before any AMX matmul, and the
 worker dies of SIGILL (seen with vllm-cpu 0.32 and a tiny Gemma-3 on a Sapphire Rapids VM).
+
+And it applies `PDSERVE_VLLM_SPIN_S` (idle_spin.py) where the environment sets it.
 """
 
 from __future__ import annotations
+
+from pdserve.kvstore.connector.idle_spin import limit_idle_spin
 
 CONNECTOR_NAME = "PDServeConnector"
 
@@ -32,5 +36,6 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     allow_amx_tiles()
+    limit_idle_spin()
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, "pdserve.kvstore.connector.connector", CONNECTOR_NAME)
