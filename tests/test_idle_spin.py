@@ -2,7 +2,7 @@
 
 Checked in fresh processes that load vLLM's general plugins as its engine processes do: a reader
 made before the plugins load (a worker's queues may be) and one made after both spin as long as the
-variable says; without it, or with a value that is not a number, vLLM's own second stays.
+variable says; without it, or with a value that is not a number of seconds, vLLM's own second stays.
 """
 
 from __future__ import annotations
@@ -47,4 +47,5 @@ def test_the_plugin_sets_every_readers_spin_from_the_environment() -> None:
     assert TINY_ENGINE_ENV[ENV] == "0.05"
     assert _spins("0.05") == [0.05, 0.05]
     assert _spins(None) == [1.0, 1.0]  # vLLM's own: the probe would not tell otherwise
-    assert _spins("soon") == [1.0, 1.0]
+    for bad in ("soon", "-1", "nan"):
+        assert _spins(bad) == [1.0, 1.0], bad

@@ -19,6 +19,7 @@ they are; GPU engines keep vLLM's default unless their environment sets the vari
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 ENV = "PDSERVE_VLLM_SPIN_S"
@@ -33,7 +34,9 @@ def limit_idle_spin() -> float | None:
     try:
         seconds = float(raw)
     except ValueError:
-        log.warning("%s=%r is not a number of seconds: left as vLLM sets it", ENV, raw)
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        log.warning("%s=%r is not a number of seconds (0 or more): left as vLLM sets it", ENV, raw)
         return None
     try:
         from vllm.distributed.device_communicators import shm_broadcast
