@@ -51,13 +51,18 @@ STALL_SEEN_S = 180.0  # the router's stall windows under this load: 10-40 s (pre
 RECONNECT_S = 0.2  # a load stream's pause after a refused connection
 KINDS = ("full", "error", "aborted", "hang", "5xx_nojson", "broken")
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+WORDS = "the river runs past the old stone bridge where the miller counts his sacks of grain".split()
 # Each Load (and each recovery probe) draws a block of salts of its own: prompts repeated from an earlier
 # scenario are in the store, go decode-only, and never reach a prefill worker. With every scenario's
 # load starting again from the same prompts, the "hung prefill engine" row waited 140-180+ s for a
 # prompt new enough to take a prefill leg to the stopped engine (the suite's 180 s bound failed once).
 _SALT_BLOCKS = itertools.count(1)
 SALT_BLOCK = 1_000_000
-WORDS = "the river runs past the old stone bridge where the miller counts his sacks of grain".split()
+
+
+def fresh_salts() -> int:
+    """The first salt of a block no other caller gets (SALT_BLOCK salts from it on are its own)."""
+    return next(_SALT_BLOCKS) * SALT_BLOCK
 
 
 @dataclass(frozen=True)
@@ -171,7 +176,7 @@ class Load:
         self.fs = fs
         self.streams = streams
         self.outcomes: list[Outcome] = []
-        self._salts = next(_SALT_BLOCKS) * SALT_BLOCK
+        self._salts = fresh_salts()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(streams)]
 
@@ -391,7 +396,7 @@ def run_scenario(fs: FaultStack, name: str, fault: Callable[[FaultStack], list[O
     row.details = Counter(f"{o.kind}: {o.detail}" for o in load.outcomes + own if o.kind != "full")
     with httpx.Client() as client:
         shape = SHAPES[2]
-        after = send(client, fs.url, request_body(fs.model, shape, salt=next(_SALT_BLOCKS) * SALT_BLOCK), shape.route)
+        after = send(client, fs.url, request_body(fs.model, shape, salt=fresh_salts()), shape.route)
     row.recovered = back and answering and after.kind == "full" and fs.all_back()
     row.seconds = time.monotonic() - started
     return row
