@@ -78,6 +78,7 @@ class StackConfig:
     pd_min_prompt_tokens: int | None = None
     api_key: str | None = None
     router_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()  # pdserve flags for every worker (not vLLM's: those are vllm_args)
     gpus: tuple[str, ...] = ()  # CUDA device ids the workers take in turn (prefill first); () leaves CUDA_VISIBLE_DEVICES alone
     log_dir: Path | None = None  # None: a fresh temp folder when the stack starts
     start_timeout: float = 900.0
@@ -224,6 +225,7 @@ def build_components(cfg: StackConfig) -> list[Component]:
         argv += _kv_flags(cfg)
         if cfg.redis_url:
             argv += ["--redis-url", cfg.redis_url]
+        argv += cfg.worker_args
         vllm_args = [*placed, *cfg.vllm_args]
         if cfg.served_model_name != cfg.model:
             vllm_args += ["--served-model-name", cfg.served_model_name]
@@ -460,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPUs for the workers, one each in turn, prefill workers first: 0,1 puts the prefill worker on "
                         "GPU 0 and the decode worker on GPU 1 (CUDA_VISIBLE_DEVICES); workers that share one split its "
                         "memory (--gpu-memory-utilization 0.9/n unless given after --). Default: as CUDA_VISIBLE_DEVICES says")
+    p.add_argument("--unhealthy-timeout", type=float, default=None,
+                   help="workers: restart a running vLLM whose /health has failed this long (default: the worker's, 30 s)")
+    p.add_argument("--stall-restart-timeout", type=float, default=None,
+                   help="workers: restart a vLLM the router has reported stalled this long; 0: never (default: the worker's, 60 s)")
     p.add_argument("--log-dir", type=Path, default=None, help="where each child's log goes (default: a temp folder)")
     p.add_argument("--start-timeout", type=float, default=900.0, help="seconds to wait for the whole stack")
     p.add_argument("--no-demo", action="store_true", help="skip the demo chat request")
@@ -480,6 +486,13 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
     else:
         model, served, engine_env = a.model, a.served_model_name or a.model, {}
         tokenizer = a.model if Path(a.model).is_dir() else None
+    worker_args = [word for flag, value in (("--unhealthy-timeout", a.unhealthy_timeout),
+                                            ("--stall-restart-timeout", a.stall_restart_timeout))
+                   if value is not None for word in (flag, str(value))]
+    if a.unhealthy_timeout is not None and not a.unhealthy_timeout > 0:
+        parser.error("--unhealthy-timeout takes a positive number of seconds")
+    if a.stall_restart_timeout is not None and not a.stall_restart_timeout >= 0:
+        parser.error("--stall-restart-timeout takes 0 (never) or a positive number of seconds")
     try:
         cfg = StackConfig(
             model=model, served_model_name=served, tokenizer=tokenizer, vllm_args=tuple(vllm_args),
@@ -488,7 +501,8 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
             kvstore_http_port=a.kvstore_http_port, kvstore_l1_size_gb=a.kvstore_l1_size_gb,
             kv_backend=a.kv_backend, chunk_size=a.chunk_size,
             redis_url=a.redis_url, connector=not a.no_connector, pd_min_prompt_tokens=a.pd_min_prompt_tokens,
-            api_key=a.api_key, gpus=a.gpus, start_timeout=a.start_timeout, log_dir=a.log_dir,
+            api_key=a.api_key, worker_args=tuple(worker_args), gpus=a.gpus, start_timeout=a.start_timeout,
+            log_dir=a.log_dir,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -415,6 +415,34 @@ def test_server_survives_hostile_input_with_data_intact(server: KVStoreProc) -> 
 # ------------------------------------------------------------------ client behaviour
 
 
+def test_a_client_that_reads_none_of_its_loads_loses_them_after_the_lease_timeout() -> None:
+    """Loads sent as frames stay leased until ZMQ has sent them. A peer that asks and never reads (hostile, or
+    a stopped worker) used to keep them, and the L1 room they take, for as long as its connection lived: the
+    producers' next puts were refused. The store now drops a peer that answers no ping for --lease-timeout-s."""
+    srv = start_kvstore("--lease-timeout-s", "6", l1_size_gb=24 / 1024)
+    try:
+        with KVStoreClient(srv.url, shm=False) as c:
+            held = keys(20)
+            assert all(c.put(NS, [(0, k, os.urandom(MIB)) for k in held]))
+            bad = zmq.Context.instance().socket(zmq.DEALER)
+            bad.setsockopt(zmq.LINGER, 0)
+            bad.setsockopt(zmq.RCVHWM, 1)
+            bad.setsockopt(zmq.RCVBUF, 4096)
+            bad.connect(srv.url)
+            try:
+                for i in range(100):
+                    bad.send(p.encode(p.Get(id=i, ns=NS, items=[p.ItemRef(0, k) for k in held])))
+                wait_until(lambda: stat(c, "leases") >= 20, "the unread loads to lease their objects")
+                wait_until(lambda: stat(c, "leases") == 0, "the unread loads' leases to end", timeout=60)
+                fresh = keys(16)
+                assert all(c.put(NS, [(0, k, os.urandom(MIB)) for k in fresh]))
+                assert all(g is not None for g in c.get(NS, [(0, k) for k in fresh]))
+            finally:
+                bad.close()
+    finally:
+        srv.stop()
+
+
 def test_timeout_names_the_url_and_recovers() -> None:
     url = f"tcp://127.0.0.1:{free_port()}"
     with KVStoreClient(url, timeout_s=0.3) as c:

@@ -247,6 +247,9 @@ def test_signals_while_an_up_like_parent_exits_after_its_stop_leave_its_exit_cod
 # ---------------------------------------------------------------- one real stack, killed in parts
 
 
+UNHEALTHY_S, STALL_RESTART_S = 10, 15  # the stack's workers' --unhealthy-timeout, --stall-restart-timeout
+
+
 @pytest.fixture(scope="module")
 def stack(redis_url: str) -> Iterator[UpStack]:
     """`pdserve up`: store, no prefill, two decode workers discovered through Redis, router."""
@@ -259,6 +262,8 @@ def stack(redis_url: str) -> Iterator[UpStack]:
         "up", "--num-prefill", "0", "--num-decode", "2", "--redis-url", redis_url,
         "--port", str(port), "--decode-port", str(decode_port), "--kvstore-port", str(free_port()),
         "--kvstore-http-port", str(free_port()), "--log-dir", str(folder),
+        # Shorter than the workers' defaults (30 s, 60 s): the faults below wait these windows out.
+        "--unhealthy-timeout", str(UNHEALTHY_S), "--stall-restart-timeout", str(STALL_RESTART_S),
     )
     with running_up(argv, port, decode_port, folder, 3 * ENGINE_START_TIMEOUT_S) as up:
         yield up
@@ -379,7 +384,7 @@ def test_killed_decode_engine_is_restarted_and_readmitted_while_the_other_serves
 def test_hung_decode_server_is_restarted_after_failing_health(stack: UpStack) -> None:
     """A stopped (not dead) server: only its failing /health shows it; the worker restarts it."""
     log = _fault_under_load(stack, 0, lambda vllm: os.kill(vllm, signal.SIGSTOP))
-    assert "vLLM has failed /health for 30 s; restarting it" in log
+    assert f"vLLM has failed /health for {UNHEALTHY_S} s; restarting it" in log
     assert "vLLM was killed by SIGKILL; restarting it in" in log
 
 

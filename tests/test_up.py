@@ -43,6 +43,22 @@ def test_redis_mode_and_api_key_reach_workers_and_router() -> None:
     assert "--decode" not in router and router[router.index("--api-key") + 1] == "k"
 
 
+def test_supervision_windows_reach_every_worker_and_bad_ones_are_refused() -> None:
+    cfg, _ = parse_up_args(["--model", "m", "--num-decode", "2", "--unhealthy-timeout", "10",
+                            "--stall-restart-timeout", "15"])
+    workers = [c for c in build_components(cfg) if c.name.startswith(("prefill-", "decode-"))]
+    assert len(workers) == 3
+    for comp in workers:
+        ours = comp.argv[:comp.argv.index("--")]  # the worker's own flags, not vLLM's
+        assert ours[ours.index("--unhealthy-timeout") + 1] == "10.0"
+        assert ours[ours.index("--stall-restart-timeout") + 1] == "15.0"
+    cfg, _ = parse_up_args(["--model", "m"])  # unset: each worker keeps its own default
+    assert not any("--unhealthy-timeout" in c.argv or "--stall-restart-timeout" in c.argv for c in build_components(cfg))
+    for bad in (["--unhealthy-timeout", "0"], ["--unhealthy-timeout", "nan"], ["--stall-restart-timeout", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_up_args(["--model", "m", *bad])
+
+
 def test_gpus_place_one_worker_each_in_turn_and_shared_ones_split_the_memory() -> None:
     def placed(*argv: str) -> dict[str, tuple[str | None, list[str]]]:
         cfg, _ = parse_up_args(["--model", "m", "--no-connector", *argv])

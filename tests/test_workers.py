@@ -68,6 +68,8 @@ def test_no_connector_leaves_kv_config_to_the_user() -> None:
         (["--model", "m", "--no-connector", "--", "--port", "1"], "pass --port to pdserve"),
         (["--model", "m", "--no-connector", "--heartbeat-ttl", "0"], "must be positive"),
         (["--model", "m", "--no-connector", "--stall-restart-timeout", "-1"], "must not be negative"),
+        (["--model", "m", "--no-connector", "--stall-restart-timeout", "nan"], "must not be negative"),
+        (["--model", "m", "--no-connector", "--unhealthy-timeout", "0"], "--unhealthy-timeout must be positive"),
     ],
 )
 def test_bad_combinations_are_refused(argv: list[str], message: str) -> None:

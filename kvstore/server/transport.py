@@ -29,6 +29,7 @@ from pdserve.kvstore.server.waiters import Waiters
 log = logging.getLogger(__name__)
 
 POLL_MS = 200  # upkeep (tail TTLs, lease deadlines) runs about this often
+HEARTBEAT_IVL_MS = 5000  # how often the server pings each peer (more often under a short --lease-timeout-s)
 _BATCH = 64  # messages handled between checks for sent frames when busy
 # Messages after which a parked Await may be answered: something stored, or a tail gone.
 _SETTLING = (p.Put, p.PutTail, p.Commit, p.GetTail, p.DropTail)
@@ -61,6 +62,12 @@ class ZmqServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, store.max_object_bytes + p.MAX_HEADER_BYTES)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a reply; leases bound what is in flight
+        # A peer that answers no ZMTP ping for a lease's lifetime (stopped, hung, or one that reads none of its
+        # replies: libzmq reads no pings while its receive queue is full) is disconnected; its unsent frames are
+        # dropped, which ends their leases. Without this it kept them, and their L1 room, for as long as it lived.
+        timeout_ms = round(cfg.lease_timeout_s * 1000)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, min(HEARTBEAT_IVL_MS, timeout_ms // 4)))
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
         self.sock.bind(cfg.zmq_url)
         self._in_flight: list[tuple[zmq.MessageTracker, list[Obj]]] = []
         self._token = cfg.auth_token.encode() if cfg.auth_token else None

@@ -201,7 +201,9 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
             raise WorkerError("--lmcache-url needs --kv-backend lmcache")
         if connector and not args.kvstore_url:
             raise WorkerError("--kvstore-url is required (or --no-connector to serve without KV transfer)")
-    if args.stall_restart_timeout < 0:
+    if not args.unhealthy_timeout > 0:
+        raise WorkerError(f"--unhealthy-timeout must be positive, got {args.unhealthy_timeout}")
+    if not args.stall_restart_timeout >= 0:
         raise WorkerError(f"--stall-restart-timeout must not be negative, got {args.stall_restart_timeout}")
     if args.heartbeat_ttl <= 0:
         raise WorkerError(f"--heartbeat-ttl must be positive, got {args.heartbeat_ttl}")
