@@ -247,7 +247,7 @@ def test_signals_while_an_up_like_parent_exits_after_its_stop_leave_its_exit_cod
 # ---------------------------------------------------------------- one real stack, killed in parts
 
 
-UNHEALTHY_S, STALL_RESTART_S = 10, 15  # the stack's workers' --unhealthy-timeout, --stall-restart-timeout
+UNHEALTHY_S, STALL_RESTART_S = 15, 15  # the stack's workers' --unhealthy-timeout, --stall-restart-timeout
 
 
 @pytest.fixture(scope="module")
