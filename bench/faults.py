@@ -46,6 +46,11 @@ from pdserve.bench.fault_stack import TAIL_TTL_S, FaultStack
 
 HANG_S = 300.0  # per request: only a request that really hangs gets near it
 RECOVERY_S = 900.0  # a restarted vLLM takes 35-170 s to start on 2 shared cores
+# Whole load on a stack missing a part, from the fault's return; then one stream until the part is back. With
+# every prompt new (real P/D traffic), a vLLM restarting beside four streams' engine work on 2 cores took
+# 129-142 s to start; the first seconds are the ones that test how the stack serves without it, and one
+# stream still tests its return under traffic.
+DEGRADED_S = 20.0
 SETTLE_S = 3 * TAIL_TTL_S + 60.0  # leaks are read once this has passed or everything is at 0
 STALL_SEEN_S = 180.0  # the router's stall windows under this load: 10-40 s (prefill), 30-60 s (decode) on 2 cores
 RECONNECT_S = 0.2  # a load stream's pause after a refused connection
@@ -176,6 +181,7 @@ class Load:
         self.fs = fs
         self.streams = streams
         self.outcomes: list[Outcome] = []
+        self._active = streams  # streams with an index below this send; the others wait
         self._salts = fresh_salts()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(streams)]
@@ -184,6 +190,9 @@ class Load:
         n = 0
         with httpx.Client() as client:
             while not self._stop.is_set():
+                if index >= self._active:
+                    self._stop.wait(0.2)
+                    continue
                 shape = SHAPES[(index + n) % len(SHAPES)]
                 body = request_body(self.fs.model, shape, salt=self._salts + n * self.streams + index)
                 out = send(client, self.fs.url, body, shape.route)
@@ -191,6 +200,10 @@ class Load:
                 n += 1
                 if out.kind == "broken" and out.detail.startswith("ConnectError"):
                     self._stop.wait(RECONNECT_S)  # nothing listens (the router is restarting): a client backs off
+
+    def ease(self, streams: int) -> None:
+        """Let only `streams` of the streams send from their next request on (the others finish the one they hold)."""
+        self._active = streams
 
     def full_since(self, t: float) -> int:
         return sum(1 for o in list(self.outcomes) if o.started >= t and o.kind == "full")
@@ -380,12 +393,16 @@ def _leaks(fs: FaultStack) -> tuple[float | None, float | None, float | None]:
 
 
 def run_scenario(fs: FaultStack, name: str, fault: Callable[[FaultStack], list[Outcome]], streams: int = 4) -> Row:
-    """Under load: the fault, then every part back and answers again; load off; leaks after the TTL."""
+    """Under load: the fault, DEGRADED_S of load on what is left, one stream until every part is back, then the
+    whole load until it answers again; load off; leaks after the TTL."""
     row, started = Row(name), time.monotonic()
     with Load(fs, streams) as load:
         wait_until(lambda: load.full_since(started) >= streams, HANG_S)
         own = fault(fs)
+        wait_until(fs.all_back, DEGRADED_S)
+        load.ease(1)
         back = wait_until(fs.all_back, RECOVERY_S)
+        load.ease(load.streams)
         back_at = time.monotonic()
         answering = wait_until(lambda: load.full_since(back_at) >= 2, HANG_S)
     stopped = time.monotonic()
