@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import resource
 import socket
 import threading
 import time
@@ -439,6 +441,38 @@ def test_a_client_that_reads_none_of_its_loads_loses_them_after_the_lease_timeou
                 assert all(g is not None for g in c.get(NS, [(0, k) for k in fresh]))
             finally:
                 bad.close()
+    finally:
+        srv.stop()
+
+
+def test_bare_tcp_connections_are_closed_and_the_file_limit_is_raised() -> None:
+    """A flood of connections that never speak ZMQ: each is closed after the handshake interval (libzmq's
+    default held them 30 s), and the store lifts its soft open-file limit to the hard one (at the limit
+    libzmq's accept spun a core). A client keeps being served meanwhile."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        srv = start_kvstore(l1_size_gb=24 / 1024)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        limits = Path(f"/proc/{srv.proc.popen.pid}/limits").read_text()
+        assert re.search(rf"Max open files\s+{hard}\s+{hard}", limits), limits
+        bare = [socket.create_connection(("127.0.0.1", srv.port), timeout=20) for _ in range(50)]
+        try:
+            with KVStoreClient(srv.url, shm=False) as c:
+                key = keys(1)[0]
+                assert c.put(NS, [(0, key, b"v" * 1024)]) == [True]
+                for s in bare:  # the store hangs up: recv sees the end of the stream (or a reset)
+                    try:
+                        while s.recv(4096):
+                            pass
+                    except ConnectionResetError:
+                        pass
+                assert bytes(c.get(NS, [(0, key)])[0]) == b"v" * 1024
+        finally:
+            for s in bare:
+                s.close()
     finally:
         srv.stop()
 

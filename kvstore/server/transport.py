@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 POLL_MS = 200  # upkeep (tail TTLs, lease deadlines) runs about this often
 HEARTBEAT_IVL_MS = 5000  # how often the server pings each peer (more often under a short --lease-timeout-s)
+HANDSHAKE_MS = 5000  # a connection must finish ZMQ's greeting within this
 _BATCH = 64  # messages handled between checks for sent frames when busy
 # Messages after which a parked Await may be answered: something stored, or a tail gone.
 _SETTLING = (p.Put, p.PutTail, p.Commit, p.GetTail, p.DropTail)
@@ -68,6 +69,9 @@ class ZmqServer:
         timeout_ms = round(cfg.lease_timeout_s * 1000)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, min(HEARTBEAT_IVL_MS, timeout_ms // 4)))
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        # A connection that has not finished ZMQ's greeting within this is closed (libzmq: 30 s): a flood of bare
+        # TCP connections otherwise held a descriptor each that long, and at the file limit libzmq's accept spins.
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         self.sock.bind(cfg.zmq_url)
         self._in_flight: list[tuple[zmq.MessageTracker, list[Obj]]] = []
         self._token = cfg.auth_token.encode() if cfg.auth_token else None
