@@ -58,20 +58,19 @@ def run(cfg: KVStoreConfig, stop: threading.Event) -> None:
         zmq_server.serve(stop)
 
 
-def raise_open_file_limit() -> int:
-    """Lift this process's soft limit on open files to its hard limit; the limit now in force.
+def raise_open_file_limit() -> None:
+    """Lift this process's soft limit on open files to its hard limit.
 
     Every client connection holds a descriptor, and at the limit libzmq's listener spins on a failing accept
     (a core at 100% until descriptors free, new clients unserved): measured with bare TCP connections against
     a soft limit of 4096. Servers such as nginx and vLLM raise it the same way."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
-    return soft
+    if soft == hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
