@@ -35,6 +35,7 @@ from typing import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.deploy.ports import server_can_bind, wait_for_port
 from pdserve.kvstore.client import lmcache_mp
 from pdserve.kvstore.client.malloc import ENV as MALLOC_ENV
 from pdserve.kvstore.connector.vllm_plugin import CONNECTOR_NAME
@@ -312,6 +313,21 @@ def configure_logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+def wait_for_own_port(cfg: WorkerConfig) -> None:
+    """Start vLLM only on a port nothing else listens on. A server already there answered the worker's /health
+    checks in vLLM's place: seen under Ray, where a restarted actor's worker found the previous one's vLLM still
+    draining on its port, reported itself ready at once and registered, then restarted its own vLLM (still
+    starting) when the old one went. An earlier process of this worker may still be draining, so wait as long
+    as a drain and a stop take; then refuse."""
+    if server_can_bind(cfg.host, cfg.port):
+        return
+    wait_s = cfg.drain_timeout + 30.0
+    log.warning("%s %s: port %d is in use (an earlier vLLM still stopping?); waiting up to %.0f s for it",
+                cfg.role, cfg.worker_id, cfg.port, wait_s)
+    if not wait_for_port(cfg.host, cfg.port, wait_s):
+        raise WorkerError(f"port {cfg.port} on {cfg.host} is in use by another process; pass a free --port")
+
+
 def run_worker(role: Role, argv: Sequence[str] | None) -> int:
     """Entry point shared by `pdserve prefill` and `pdserve decode`."""
     configure_logging()
@@ -323,6 +339,7 @@ def run_worker(role: Role, argv: Sequence[str] | None) -> int:
             extra = lmcache_extra_args(cfg)
         elif cfg.connector:
             check_connector()
+        wait_for_own_port(cfg)
     except WorkerError as exc:
         print(f"pdserve {role}: error: {exc}", file=sys.stderr)
         return 2
