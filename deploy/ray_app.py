@@ -25,6 +25,7 @@ import fcntl
 import logging
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import threading
@@ -72,6 +73,43 @@ def _tiny_model_on_this_node() -> str:
         return str(tiny_model_dir())
 
 
+def _running_service(pid: int) -> bool:
+    """Whether pid is a live (not zombie) `pdserve` service process."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and b"pdserve.deploy.cli" in cmdline
+
+
+def wait_for_predecessor(pid_path: Path, timeout_s: float) -> None:
+    """Let the service a killed actor left behind finish before its restarted actor starts another.
+
+    That service got SIGTERM when its actor died (the parent-death signal) and may still be draining on the
+    ports the new one needs: a router or store that cannot bind exits before it is ready, and a worker's health
+    checks would reach the old vLLM. Waits up to timeout_s for it (its group), then SIGKILLs the group."""
+    try:
+        pid = int(pid_path.read_text())
+    except (OSError, ValueError):
+        return
+    if not _running_service(pid):
+        return
+    log.warning("the previous %s (pid %d) is still stopping; waiting up to %.0f s for it", pid_path.stem, pid,
+                timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while _running_service(pid) and time.monotonic() < deadline:
+        time.sleep(POLL_S / 4)
+    if _running_service(pid):
+        log.warning("the previous %s (pid %d) did not stop; killing its group", pid_path.stem, pid)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        while _running_service(pid) and time.monotonic() < deadline + 10:
+            time.sleep(POLL_S / 4)
+
+
 @ray.remote
 class ServiceActor:
     """Runs one service as a child process group on this actor's node, and reports on it.
@@ -91,10 +129,13 @@ class ServiceActor:
         self.log_path = log_dir(namespace) / f"{self.spec.name}.log"
         self.ready = False
         self.stopping = threading.Event()
+        pid_path = self.log_path.with_suffix(".pid")
+        wait_for_predecessor(pid_path, STOP_TIMEOUT_S)
         with open_log(self.log_path) as out:
             # Actor tasks run on the worker's main thread, so the child's parent-death
             # signal (see children.spawn) fires only when the actor process itself dies.
             self.popen = spawn([sys.executable, "-m", "pdserve.deploy.cli", *self.argv], stdout=out, env=self.spec.env)
+        pid_path.write_text(str(self.popen.pid))
         log.info("%s: started pdserve %s (pid %d), log %s", self.spec.name, shlex.join(self.argv), self.popen.pid,
                  self.log_path)
         threading.Thread(target=self._watch, name=f"watch-{self.spec.name}", daemon=True).start()

@@ -38,7 +38,9 @@ from pdserve.kvstore.client.auth import TOKEN_ENV
 from pdserve.kvstore.server.config import build_parser as kvstore_parser
 from pdserve.kvstore.server.config import from_args as kvstore_config
 from pdserve.router.config import config_from_args as router_config
-from procs import ENGINE_START_TIMEOUT_S, Proc, free_port, http_ok, log_dir, redis_url, start_process, start_redis
+from procs import (
+    ENGINE_START_TIMEOUT_S, Proc, free_port, http_ok, log_dir, pdserve_argv, redis_url, start_process, start_redis,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -74,6 +76,33 @@ def filled(argv: tuple[str, ...]) -> list[str]:
 
 
 # ---------------------------------------------------------------- config, no cluster
+
+
+def test_a_restarted_actor_waits_for_the_service_its_predecessor_left_then_kills_it(tmp_path: Path) -> None:
+    """The killed actor's service (here a real store that nobody told to stop) holds its ports: the restarted
+    actor waits for it, then kills its group, so that its own service can bind them. A pid file naming a
+    process that is not a pdserve service, or nothing, is left alone."""
+    from pdserve.deploy.ray_app import wait_for_predecessor
+    from pdserve.deploy.ports import server_can_bind
+
+    port, http_port = free_port(), free_port()
+    store = start_process(pdserve_argv("kvstore", "--port", str(port), "--http-port", str(http_port), "--l1-size-gb",
+                                       "0.01"), f"http://127.0.0.1:{http_port}/health", name="old-store", timeout=60)
+    pid_path = tmp_path / "kvstore-0.pid"
+    try:
+        pid_path.write_text(str(os.getpid()))  # not a service: never touched
+        wait_for_predecessor(pid_path, timeout_s=1.0)
+        pid_path.write_text("garbage")
+        wait_for_predecessor(pid_path, timeout_s=1.0)
+        assert not server_can_bind("127.0.0.1", port)
+        pid_path.write_text(str(store.popen.pid))
+        started = time.monotonic()
+        wait_for_predecessor(pid_path, timeout_s=2.0)
+        assert time.monotonic() - started >= 2.0  # it waited before it killed
+        assert store.popen.wait(10) == -signal.SIGKILL
+        assert server_can_bind("127.0.0.1", port) and server_can_bind("127.0.0.1", http_port)
+    finally:
+        store.stop()
 
 
 def test_gpu_example_reserves_the_settings_gpus_and_every_command_parses(monkeypatch: pytest.MonkeyPatch) -> None:
