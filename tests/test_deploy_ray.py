@@ -83,7 +83,7 @@ def test_a_restarted_actor_waits_for_the_service_its_predecessor_left_then_kills
     actor waits for it, then kills its group, so that its own service can bind them. A pid file naming a
     process that is not a pdserve service, or nothing, is left alone."""
     from pdserve.deploy.ray_app import wait_for_predecessor
-    from pdserve.deploy.ports import server_can_bind
+    from pdserve.worker.ports import server_can_bind
 
     port, http_port = free_port(), free_port()
     store = start_process(pdserve_argv("kvstore", "--port", str(port), "--http-port", str(http_port), "--l1-size-gb",

@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 
-from pdserve.deploy.ports import server_can_bind, wait_for_port
+from pdserve.worker.ports import server_can_bind, wait_for_port
 from procs import free_port, pdserve_argv
 
 HELD_S = 4.0

@@ -35,7 +35,7 @@ from typing import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.deploy.ports import server_can_bind, wait_for_port
+from pdserve.worker.ports import server_can_bind, wait_for_port
 from pdserve.kvstore.client import lmcache_mp
 from pdserve.kvstore.client.malloc import ENV as MALLOC_ENV
 from pdserve.kvstore.connector.vllm_plugin import CONNECTOR_NAME
