@@ -35,7 +35,6 @@ from typing import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.worker.ports import server_can_bind, wait_for_port
 from pdserve.kvstore.client import lmcache_mp
 from pdserve.kvstore.client.malloc import ENV as MALLOC_ENV
 from pdserve.kvstore.connector.vllm_plugin import CONNECTOR_NAME
@@ -43,6 +42,7 @@ from pdserve.kvstore.connector.vllm_release import installed_version, unsupporte
 from pdserve.worker.children import StopFlag, Supervised, describe_exit, spawn, stop_group
 from pdserve.worker import lmcache_backend
 from pdserve.worker.config import WorkerConfig, WorkerError, config_from_args
+from pdserve.worker.ports import server_can_bind, wait_for_port
 from pdserve.worker.registration import Registrar, Role, WorkerRecord
 
 log = logging.getLogger("pdserve.worker")
