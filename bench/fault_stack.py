@@ -27,7 +27,8 @@ import httpx
 
 from pdserve.worker.children import spawn
 from pdserve.deploy.local import LocalStack, StackConfig, parse_up_args
-from pdserve.deploy.ports import _bindable, free_port
+from pdserve.deploy.ports import free_port
+from pdserve.worker.ports import server_can_bind
 from pdserve.kvstore.client.client import KVStoreClient
 
 # Short enough that a leaked tail shows within one scenario, long enough for any handoff here.
@@ -96,7 +97,7 @@ def _consecutive_free(count: int) -> int:
     """A base port whose next `count` ports are free now (workers take base + i)."""
     while True:
         base = free_port()
-        if all(_bindable("127.0.0.1", base + i) for i in range(count)):
+        if all(server_can_bind("127.0.0.1", base + i) for i in range(count)):
             return base
 
 

@@ -490,9 +490,10 @@ def parse_up_args(argv: Sequence[str]) -> tuple[StackConfig, argparse.Namespace]
         parser.error("--unhealthy-timeout takes a positive number of seconds")
     if a.stall_restart_timeout is not None and not a.stall_restart_timeout >= 0:
         parser.error("--stall-restart-timeout takes 0 (never) or a positive number of seconds")
-    worker_args = [word for flag, value in (("--unhealthy-timeout", a.unhealthy_timeout),
-                                            ("--stall-restart-timeout", a.stall_restart_timeout))
-                   if value is not None for word in (flag, str(value))]
+    worker_args: list[str] = []
+    for flag, value in (("--unhealthy-timeout", a.unhealthy_timeout), ("--stall-restart-timeout", a.stall_restart_timeout)):
+        if value is not None:
+            worker_args += [flag, str(value)]
     try:
         cfg = StackConfig(
             model=model, served_model_name=served, tokenizer=tokenizer, vllm_args=tuple(vllm_args),

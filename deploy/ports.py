@@ -13,6 +13,8 @@ import random
 import socket
 from pathlib import Path
 
+from pdserve.worker.ports import server_can_bind
+
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST = 20000  # below: well-known services, hand-set ports and Ray's worker ports (10002-19999)
 
@@ -25,24 +27,14 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free now and outside the ephemeral range (falls back to the kernel's pick)."""
     low, high = _ephemeral_range()
     span = range(_LOWEST, low) if low - _LOWEST >= 1000 else range(high + 1, 65536)
     for _ in range(200):
         port = random.choice(span)
-        if _bindable(host, port):
+        if server_can_bind(host, port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
-

@@ -88,7 +88,8 @@ def wait_for_predecessor(pid_path: Path, timeout_s: float) -> None:
 
     That service got SIGTERM when its actor died (the parent-death signal) and may still be draining on the
     ports the new one needs: a router or store that cannot bind exits before it is ready, and a worker's health
-    checks would reach the old vLLM. Waits up to timeout_s for it (its group), then SIGKILLs the group."""
+    checks would reach the old vLLM. Waits up to timeout_s for it, then SIGKILLs its process group. A worker's
+    vLLM runs in a session of its own and stops with its worker; the new worker waits for its port itself."""
     try:
         pid = int(pid_path.read_text())
     except (OSError, ValueError):
