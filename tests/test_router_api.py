@@ -96,6 +96,23 @@ def test_request_fields_pass_through(pd_stack: Stack, router: Proc) -> None:
     assert metric(router.url, "pdserve_router_paths_total", {"path": "decode_only_n"}) == 1
 
 
+def test_prompt_logprobs_go_decode_only_and_equal_the_decode_engine(pd_stack: Stack, router: Proc) -> None:
+    """Scoring requests (lm-eval's echo + logprobs, vLLM's prompt_logprobs) need the prompt run where they
+    are answered: P/D would prefill it for nothing, since vLLM reads no cached KV for them."""
+    asks = ({"echo": True, "logprobs": 1, "max_tokens": 1}, {"extra_body": {"prompt_logprobs": 1}, "max_tokens": 2})
+    before = metric(router.url, "pdserve_router_paths_total", {"path": "decode_only_prompt_logprobs"})
+    for seed, ask in enumerate(asks, start=5):
+        kwargs = dict(model=pd_stack.model, prompt=long_prompt(110, seed=seed), temperature=0.0, **ask)
+        via_router = _client(router.url).completions.create(**kwargs).model_dump()
+        direct = _client(pd_stack.decode.url).completions.create(**kwargs).model_dump()
+        scores = (via_router["choices"][0]["logprobs"], via_router["choices"][0].get("prompt_logprobs"))
+        assert any(s for s in scores)  # the answer carries the prompt's scores
+        assert scores == (direct["choices"][0]["logprobs"], direct["choices"][0].get("prompt_logprobs"))
+        assert via_router["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"] > 256
+    after = metric(router.url, "pdserve_router_paths_total", {"path": "decode_only_prompt_logprobs"})
+    assert after - before == len(asks)
+
+
 def test_models_lists_what_the_workers_serve(pd_stack: Stack, router: Proc) -> None:
     models = _client(router.url).models.list()
     assert [m.id for m in models.data] == [pd_stack.model]

@@ -1,7 +1,8 @@
 """Which path a request takes: both legs (P/D) or decode-only, and why.
 
 Decode-only when the request cannot share one prefill (a batch of prompts, n > 1 or beam
-search: vLLM would fork child requests that all claim the prefill's one tail), when no
+search: vLLM would fork child requests that all claim the prefill's one tail), when it asks
+for the prompt's own logprobs (the decode engine then reads no cached KV), when no
 prefill worker is available, when the prompt is short (`--pd-min-prompt-tokens`), when
 the KV store already holds most of it (`--pd-max-cached-fraction`), when max_tokens alone
 exceeds the decode workers' context (their engine refuses it at once), or
@@ -57,6 +58,20 @@ def _forks(body: dict[str, Any]) -> bool:
     return (body.get("n") or 1) > 1 or (body.get("best_of") or 1) > 1 or bool(body.get("use_beam_search"))
 
 
+def _scores_prompt(call: Call) -> bool:
+    """The request asks for its prompt's logprobs: `prompt_logprobs`, or `echo` with a completion's
+    `logprobs` (lm-eval's loglikelihood) or a chat's `top_logprobs`, which vLLM turns into prompt logprobs.
+    vLLM computes those only over tokens it runs itself: 0.32 skips every prefix hit for such a request,
+    the connector's included, so the prefill leg's KV would go unread (its tail waiting out its TTL) and
+    the decode leg would recompute the prompt after waiting for it; an engine without that rule would
+    load the KV and have no logprobs for the loaded tokens."""
+    body = call.body
+    if body.get("prompt_logprobs") is not None:
+        return True
+    logprobs = body.get("logprobs" if call.route == "completions" else "top_logprobs")
+    return bool(body.get("echo")) and logprobs is not None
+
+
 def _prompt_text(call: Call) -> str | None:
     """A text prompt, or a chat's messages' contents joined; None for any other prompt."""
     if call.route == "completions":
@@ -99,6 +114,8 @@ class PathPlanner:
             return "decode_only_batch", ctx
         if _forks(call.body):
             return "decode_only_n", ctx
+        if _scores_prompt(call):
+            return "decode_only_prompt_logprobs", ctx
         prefill_workers = self.prefill.candidates(call.model)
         if not prefill_workers:
             return "decode_only_no_prefill", ctx
