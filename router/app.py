@@ -311,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     prometheus_client.disable_created_metrics()  # `_created` series double /metrics for no use here
     app = create_app(cfg)
-    protocol = server_protocol(cfg.header_timeout, cfg.send_timeout, app.state.router.metrics.send_timeouts.inc)
+    protocol = server_protocol(cfg.header_timeout, cfg.send_timeout, app.state.router.metrics.send_timeouts.inc,
+                               cfg.max_header_bytes)
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,

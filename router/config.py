@@ -70,6 +70,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
     max_request_bytes: int = 16 << 20
+    max_header_bytes: int = 64 << 10  # a request's URL and headers together (nginx: 4 x 8 KiB, Node: 16 KiB)
     header_timeout: float = 30.0  # seconds for a client to send a request's head (request line and headers)
     body_timeout: float = 60.0  # seconds for a client to send its whole request body
     send_timeout: float = 60.0  # seconds a client may take no byte of its answer before its connection is cut
@@ -85,8 +86,8 @@ class RouterConfig:
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}, got {getattr(self, name)!r}")
         positive = ("max_inflight_per_worker", "prefill_timeout", "decode_timeout", "connect_timeout",
-                    "health_interval", "health_failures", "breaker_failures", "max_request_bytes", "queue_timeout",
-                    "header_timeout", "body_timeout", "send_timeout", "pd_queue_poll_interval")
+                    "health_interval", "health_failures", "breaker_failures", "max_request_bytes", "max_header_bytes",
+                    "queue_timeout", "header_timeout", "body_timeout", "send_timeout", "pd_queue_poll_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -165,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--breaker-cooldown", type=float, default=d["breaker_cooldown"].default)
     p.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
                    help="larger request bodies get 413")
+    p.add_argument("--max-header-bytes", type=int, default=d["max_header_bytes"].default,
+                   help="a request head (URL and headers) larger than this gets 431 and its connection closed")
     p.add_argument("--header-timeout", type=float, default=d["header_timeout"].default,
                    help="seconds a client has to send a request's head; slower connections are closed")
     p.add_argument("--body-timeout", type=float, default=d["body_timeout"].default,
@@ -214,6 +217,7 @@ def config_from_args(argv: Sequence[str]) -> RouterConfig:
             breaker_failures=a.breaker_failures,
             breaker_cooldown=a.breaker_cooldown,
             max_request_bytes=a.max_request_bytes,
+            max_header_bytes=a.max_header_bytes,
             header_timeout=a.header_timeout,
             body_timeout=a.body_timeout,
             send_timeout=a.send_timeout,

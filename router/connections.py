@@ -6,6 +6,10 @@ closed here (the body's own deadline and size limit are in requests.py):
 - A request head that never completes (a connection that sends nothing, or a head
   sent a byte at a time) is held for good: `server_protocol` closes the
   connection when a head takes longer than `--header-timeout`.
+- httptools keeps a head's URL and headers, however long, until the head ends: one
+  connection streaming header lines took the router's RSS past 4.8 GB within 20 s (of the
+  30 s head deadline; before any authentication). A head over `--max-header-bytes` gets
+  a 431 and its connection closed, as nginx and Node bound theirs.
 - A client that stops reading its answer holds it for good: uvicorn waits for the socket to
   drain, the relay stops reading the worker, and the request keeps its slot on that worker
   (`--max-inflight-per-worker`). Measured before this: four never-read streams on a worker
@@ -31,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any, Callable
+
+from pdserve.router.errors import error_json
 
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -127,11 +133,22 @@ class GatheredWrites(asyncio.Transport):
         return self._transport.get_protocol()
 
 
-def server_protocol(timeout: float, send_timeout: float,
-                    on_send_timeout: Callable[[], None] = lambda: None) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol, closing a connection whose request head is not in within `timeout` s,
-    aborting one that takes no byte of its answer for `send_timeout` s while its writes are paused
-    (and calling `on_send_timeout`), and writing through `GatheredWrites`.
+class HeadTooLarge(Exception):
+    """Raised in a parser callback to stop parsing a head over the limit."""
+
+
+def _head_too_large(limit: int) -> bytes:
+    body = error_json(431, f"request head (URL and headers) over {limit} bytes")
+    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callable[[], None] = lambda: None,
+                    max_head_bytes: int = 64 << 10) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol, closing a connection whose request head is not in within `timeout` s
+    or runs past `max_head_bytes` (after a 431), aborting one that takes no byte of its answer for
+    `send_timeout` s while its writes are paused (and calling `on_send_timeout`), and writing through
+    `GatheredWrites`.
 
     The head's clock starts when the connection opens and again at a request's first byte
     (a keep-alive connection waits for its next request under uvicorn's own timeout). The send's
@@ -146,9 +163,15 @@ def server_protocol(timeout: float, send_timeout: float,
         _head_since: float | None = None  # when the request head now coming began (None: none is)
         _send_timer: asyncio.TimerHandle | None = None  # set while writing is paused
         _unsent = 0  # bytes the transport held when the send timer was last set
+        _head_size = 0  # the head's URL and header lines so far
+        _head_bytes = 0  # bytes of the reads after which the head was still coming (but its first read)
+        _head_fresh = False  # the head began in the read now being parsed
+        _head_too_large = False
 
         def _head_begins(self) -> None:
             self._head_since = self.loop.time()
+            self._head_size = self._head_bytes = 0
+            self._head_fresh = True
             if self._timer is None:
                 self._timer = self.loop.call_at(self._head_since + timeout, self._expire)
 
@@ -193,6 +216,45 @@ def server_protocol(timeout: float, send_timeout: float,
             self._gathered = GatheredWrites(transport, self.loop)
             super().connection_made(self._gathered)
             self._head_begins()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._head_since is None or self.transport.is_closing():
+                return
+            # A head still coming after this read: its bytes so far sit in httptools's buffers, also those of
+            # a header line not yet ended (which no callback reports). The read a head began in is not
+            # counted: the end of the request before it may share that read.
+            if self._head_fresh:
+                self._head_fresh = False
+                return
+            self._head_bytes += len(data)
+            if self._head_bytes > max_head_bytes:
+                self._head_too_large = True
+                self.send_400_response("")
+
+        def _grow_head(self, size: int) -> None:
+            self._head_size += size
+            if self._head_size > max_head_bytes:
+                self._head_too_large = True
+                raise HeadTooLarge  # httptools stops parsing; uvicorn answers with send_400_response
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            self._grow_head(len(url))
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            super().on_header(name, value)
+            self._grow_head(len(name) + len(value) + 4)  # as on the wire: ": " and CRLF
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._head_too_large:
+                super().send_400_response(msg)
+                return
+            log.info("client %s sent a request head over %d bytes: 431, connection closed", self.client,
+                     max_head_bytes)
+            self._head_since = None
+            self.transport.write(_head_too_large(max_head_bytes))
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -171,6 +171,72 @@ async def test_a_keep_alive_connection_waits_for_its_next_request_beyond_the_hea
     writer.close()
 
 
+HEAD_LIMIT = 4096
+
+
+@pytest.fixture
+async def head_limit_server() -> AsyncIterator[tuple[str, int]]:
+    """uvicorn with the router's server protocol and a small head size limit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(_ok, loop="none", http=server_protocol(60.0, 60.0, max_head_bytes=HEAD_LIMIT),
+                            lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield sock.getsockname()[:2]
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _refused_as_too_large(reader: asyncio.StreamReader) -> None:
+    answer = await asyncio.wait_for(reader.read(), 10)  # to EOF: the connection is closed after it
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert b'"code":431' in answer and b"over 4096 bytes" in answer
+
+
+async def test_a_head_over_the_limit_gets_431_whatever_makes_it_large(head_limit_server) -> None:  # type: ignore[no-untyped-def]
+    under = b"GET / HTTP/1.1\r\nHost: r\r\nX-Pad: " + b"a" * (HEAD_LIMIT - 100) + b"\r\n\r\n"
+    heads = [
+        b"GET /" + b"u" * HEAD_LIMIT + b" HTTP/1.1\r\nHost: r\r\n\r\n",  # the URL
+        b"GET / HTTP/1.1\r\n" + b"X-A: b\r\n" * (HEAD_LIMIT // 5) + b"\r\n",  # many small headers
+        under[: under.index(b"\r\n\r\n")] + b"b" * 200 + b"\r\n\r\n",  # one line too long
+    ]
+    for head in heads:
+        reader, writer = await asyncio.open_connection(*head_limit_server)
+        writer.write(under)  # a head just under the limit, then the next one on the same connection
+        assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+        writer.write(head)
+        await _refused_as_too_large(reader)
+        writer.close()
+
+
+async def test_a_header_line_that_never_ends_is_cut_near_the_limit(head_limit_server) -> None:  # type: ignore[no-untyped-def]
+    """httptools buffers an unfinished header line and reports nothing: the bytes of the reads are counted."""
+    reader, writer = await asyncio.open_connection(*head_limit_server)
+    writer.write(b"GET / HTTP/1.1\r\nHost: r\r\nX-Pad: ")
+    sent = 0
+    with pytest.raises(ConnectionError):
+        while sent < 100 * HEAD_LIMIT:  # the server stops reading it long before
+            writer.write(b"a" * 1024)
+            await writer.drain()
+            sent += 1024
+            await asyncio.sleep(0.001)  # separate reads, as a slow client's are
+    assert sent < 100 * HEAD_LIMIT
+    writer.close()
+
+
+async def test_a_body_in_the_same_read_as_its_head_does_not_count_as_head(head_limit_server) -> None:  # type: ignore[no-untyped-def]
+    body = b"x" * (4 * HEAD_LIMIT)
+    reader, writer = await asyncio.open_connection(*head_limit_server)
+    writer.write(b"POST / HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+    writer.close()
+
+
 SEND_TIMEOUT_S = 0.3
 STREAM_BYTES = 600_000
 PIECE = b"x" * 16384

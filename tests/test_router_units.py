@@ -44,12 +44,12 @@ def test_config_parses_the_documented_flags() -> None:
     cfg = config_from_args(
         ["--port", "9000", "--prefill", "http://p1/", "http://p2", "--decode", "http://d1",
          "--prefill-policy", "prefix-aware", "--decode-policy", "round-robin", "--pd-min-prompt-tokens", "0",
-         "--api-key", "k", "--max-inflight-per-worker", "2", "--max-queue", "0"]
+         "--api-key", "k", "--max-inflight-per-worker", "2", "--max-queue", "0", "--max-header-bytes", "8192"]
     )
     assert cfg.port == 9000
     assert cfg.prefill_urls == ("http://p1", "http://p2")
     assert (cfg.prefill_policy, cfg.decode_policy) == ("prefix-aware", "round-robin")
-    assert (cfg.pd_min_prompt_tokens, cfg.api_key, cfg.max_queue) == (0, "k", 0)
+    assert (cfg.pd_min_prompt_tokens, cfg.api_key, cfg.max_queue, cfg.max_header_bytes) == (0, "k", 0, 8192)
 
 
 @pytest.mark.parametrize(
@@ -58,6 +58,7 @@ def test_config_parses_the_documented_flags() -> None:
         [],  # no decode worker and no Redis
         ["--decode", "localhost:8000"],  # not a URL
         ["--decode", "http://d", "--max-inflight-per-worker", "0"],
+        ["--decode", "http://d", "--max-header-bytes", "0"],
         ["--decode", "http://d", "--prefill-policy", "random"],
     ],
 )
