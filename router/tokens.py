@@ -52,6 +52,19 @@ _CHAT_RENDER_FIELDS = ("tools", "add_generation_prompt", "continue_final_message
                        "documents", "chat_template")
 
 
+def _brings_template(route: Route, body: dict[str, Any]) -> bool:
+    """A chat request with a chat template of its own (`chat_template`, also inside `chat_template_kwargs`).
+
+    The router never renders one: a template is a program (Jinja), and a client's can loop for good
+    in a router thread: a nested loop of `range(100000)` kept a router at 94% CPU after its client had
+    gone, holding a tokenizer copy (2026-12-07). The worker's /tokenize counts it instead, which is
+    vLLM's to allow (`--trust-request-chat-template`) or refuse (400), as it does for the request itself."""
+    if route != "chat":
+        return False
+    kwargs = body.get("chat_template_kwargs")
+    return body.get("chat_template") is not None or (isinstance(kwargs, dict) and "chat_template" in kwargs)
+
+
 # Tokenizer copies at most: prompts tokenized at once (a copy costs a few ms and a few MB).
 MAX_ENCODERS = min(8, os.cpu_count() or 1)
 # How long a prompt waits for a free copy before the worker's /tokenize counts it instead: a
@@ -213,7 +226,7 @@ class PromptTokens:
         return ids
 
     async def _tokenize(self, route: Route, body: dict[str, Any], worker_url: str) -> list[int] | None:
-        encoders = self._local(body.get("model"))
+        encoders = None if _brings_template(route, body) else self._local(body.get("model"))
         if encoders is not None:
             try:
                 # off the event loop: a 2k-token prompt takes milliseconds that other streams' relays need

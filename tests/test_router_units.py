@@ -315,6 +315,11 @@ async def test_prompt_tokens_locally_from_the_model_folder(tiny_deepseek_v3) -> 
                                 "http://127.0.0.1:9")
         plain = await tokens.ids("completions", {"model": model, "prompt": "hi there"}, "http://127.0.0.1:9")
         assert chat and plain and len(chat) > len(plain)  # the chat template adds its markers
+        # A request's own chat template is never rendered here (the unreachable worker's count: none).
+        template = "{{ 'x' * 5000 }}"
+        for own in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+            body = {"model": model, "messages": [{"role": "user", "content": "hi there"}], **own}
+            assert await tokens.ids("chat", body, "http://127.0.0.1:9") is None
         # No local tokenizer and no reachable worker: None, so the router routes by its estimate.
         assert await PromptTokens(http, {}, None).ids("completions", {"prompt": "x"}, "http://127.0.0.1:9") is None
         await tokens.stop()
