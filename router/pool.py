@@ -256,6 +256,15 @@ class Pool:
             lens.append(value)
         return min(lens, default=None)
 
+    def adapter(self, model: str | None) -> str | None:
+        """`model` when the workers serve it as a LoRA adapter (vLLM's card names the base model as its
+        `parent`): the KV store keys an adapter's KV apart (kvstore/client/keys.py)."""
+        for w in self.candidates(model):
+            for card in w.model_cards or ():
+                if str(card.get("id")) == model and card.get("parent") is not None:
+                    return model
+        return None
+
     def model_cards(self) -> list[dict[str, Any]]:
         """/v1/models entries of the available workers, one per model id."""
         cards: dict[str, dict[str, Any]] = {}

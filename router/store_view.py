@@ -79,8 +79,9 @@ class StoreView:
             log.info("learned KV store %s (%s): namespace %s, chunk %d tokens", url, layout.store_id, ns, chunk)
         return url
 
-    async def _lookup(self, url: str, layout: StoreLayout, token_ids: list[int], salt: str | None) -> int:
-        keys = chunk_keys(layout.namespace, token_ids, layout.chunk_size, salt)
+    async def _lookup(self, url: str, layout: StoreLayout, token_ids: list[int], salt: str | None,
+                      adapter: str | None) -> int:
+        keys = chunk_keys(layout.namespace, token_ids, layout.chunk_size, salt, adapter)
         if not keys:
             return 0
         client = self._client(url)
@@ -107,10 +108,10 @@ class StoreView:
         self._id_checked[url] = now
         return True
 
-    async def prefix_tokens(self, token_ids: list[int], salt: str | None) -> dict[str, int]:
+    async def prefix_tokens(self, token_ids: list[int], salt: str | None, adapter: str | None = None) -> dict[str, int]:
         """Prompt tokens already stored, per known store URL (0 for a store that did not answer)."""
         urls = list(self.layouts)
-        counts = await asyncio.gather(*(self._lookup(u, self.layouts[u], token_ids, salt) for u in urls))
+        counts = await asyncio.gather(*(self._lookup(u, self.layouts[u], token_ids, salt, adapter) for u in urls))
         return dict(zip(urls, counts))
 
     async def drop_tail(self, params: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ def test_the_tail_name_binds_handoff_prompt_and_salt() -> None:
     assert name != handoff_tail_id("abc", prompt[:-1] + [7], None)  # another prompt: another tail
     assert name != handoff_tail_id("abd", prompt, None)
     assert name != handoff_tail_id("abc", prompt, "salt")
+    assert name != handoff_tail_id("abc", prompt, None, "adapter") != handoff_tail_id("abc", prompt, None, "other")
 
 
 @pytest.mark.parametrize("value", [None, 3, "", "a b", "x" * 65, "../etc"])

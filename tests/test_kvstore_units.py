@@ -101,6 +101,14 @@ def test_chunk_keys_prefix_property() -> None:
     assert not set(chunk_keys(ns, tokens, 16, salt="user-a")) & set(keys)
     assert not set(chunk_keys("0" * 32, tokens, 16)) & set(keys)
     assert len(set(keys)) == len(keys)
+    # A LoRA adapter's KV is another: keys apart from the base model's, other adapters' and any salt's,
+    # also a salt that spells what an adapter adds to the seed.
+    lora = chunk_keys(ns, tokens, 16, adapter="a")
+    assert lora == chunk_keys(ns, tokens, 16, adapter="a")
+    for other_keys in (keys, chunk_keys(ns, tokens, 16, adapter="b"), chunk_keys(ns, tokens, 16, salt="a"),
+                       chunk_keys(ns, tokens, 16, salt="\x01\x00\x00\x00a"),
+                       chunk_keys(ns, tokens, 16, salt="x", adapter="a")):
+        assert not set(other_keys) & set(lora)
     with pytest.raises(ValueError):
         chunk_keys(ns, tokens, 0)
 

@@ -181,7 +181,7 @@ class _HoldsEverything(StoreView):
         self.layouts["tcp://store"] = StoreLayout("ns", 256, (0,), None)
         self.asked = 0
 
-    async def prefix_tokens(self, token_ids: list[int], salt: str | None) -> dict[str, int]:
+    async def prefix_tokens(self, token_ids: list[int], salt: str | None, adapter: str | None = None) -> dict[str, int]:
         self.asked += 1
         return {"tcp://store": len(token_ids)}
 

@@ -382,6 +382,32 @@ async def test_max_tokens_over_the_decode_context_goes_decode_only_before_any_lo
     assert not (await planned({"prompt": ids, "max_tokens": 1101, "max_completion_tokens": 10}, 1100))[1]
 
 
+async def test_prompts_whose_kv_the_store_cannot_carry_go_decode_only() -> None:
+    """A request that scores its prompt (vLLM reads no cached KV for it) or carries media (the store keys KV
+    by token ids alone) would waste its prefill leg."""
+    cfg = RouterConfig(decode_urls=("http://d",), pd_min_prompt_tokens=0, pd_early_prefill=False)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    text = {"type": "text", "text": "what is it"}
+    cases = [
+        ("completions", {"prompt": list(range(500)), "echo": True, "logprobs": 0}, "decode_only_prompt_logprobs"),
+        ("completions", {"prompt": list(range(500)), "prompt_logprobs": 1}, "decode_only_prompt_logprobs"),
+        ("completions", {"prompt": list(range(500)), "echo": True}, "pd"),  # echo alone scores nothing
+        ("chat", {"messages": [{"role": "user", "content": "x"}], "echo": True, "top_logprobs": 2},
+         "decode_only_prompt_logprobs"),
+        ("completions", {"prompt": "", "prompt_embeds": "AAAA"}, "decode_only_media"),
+        ("chat", {"messages": [{"role": "user", "content": [text, image]}]}, "decode_only_media"),
+        ("chat", {"messages": [{"role": "user", "content": [text]}]}, "pd"),
+    ]
+    metrics = RouterMetrics()
+    prefill, decode = planner_pools(cfg, metrics)
+    async with aiohttp.ClientSession() as http:
+        planner = PathPlanner(cfg, prefill, decode, PromptTokens(http, {}, None), StoreView(), LMCacheView(),
+                              _estimate(), metrics)
+        for route, body, want in cases:
+            path, _ = await planner.plan(Call(route=route, raw=b"x" * 4000, body=body, request_id="r"))
+            assert path == want, (route, body)
+
+
 def test_queue_flags_parse_and_refuse_a_bad_interval() -> None:
     cfg = config_from_args(["--decode", "http://d", "--pd-queue-poll-interval", "0.25"])
     assert (cfg.pd_queue_aware, cfg.pd_queue_poll_interval) == (True, 0.25)

@@ -215,6 +215,13 @@ def test_max_model_len_is_the_smallest_a_models_workers_report_once_all_have() -
     assert pool.max_model_len("m1") == 4096
 
 
+def test_a_model_is_an_adapter_where_its_card_names_a_parent() -> None:
+    pool = _pool(n=1)
+    [w] = pool.workers.values()
+    w.model_cards = [{"id": "base", "parent": None}, {"id": "sql", "parent": "base"}]
+    assert (pool.adapter("base"), pool.adapter("sql"), pool.adapter("other")) == (None, "sql", None)
+
+
 # ---------------------------------------------------------------- stream parsing and prefill body
 
 

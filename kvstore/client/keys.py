@@ -1,8 +1,16 @@
 """Chunk keys: a rolling prefix hash over full chunks of token ids.
 
-key_i = H(key_{i-1} || tokens of chunk i), seeded by the namespace and an optional
-per-request cache salt. Two prompts share key_i exactly when they share the whole
-prefix up to the end of chunk i (and the salt), so a lookup by keys is a prefix match.
+key_i = H(key_{i-1} || tokens of chunk i), seeded by the namespace, an optional
+per-request cache salt and the request's LoRA adapter, if any. Two prompts share key_i
+exactly when they share the whole prefix up to the end of chunk i (and the salt and the
+adapter), so a lookup by keys is a prefix match.
+
+The adapter is in the seed because it changes the KV of the same tokens (any adapter on
+a layer changes the hidden states every later layer caches); without it, a request on
+adapter B loaded what adapter A's request had stored and answered with other tokens
+(tiny Gemma-3, two random o_proj adapters, 2026-12-07). Seeds with an adapter come from
+a domain of their own, and the adapter's name is length-prefixed, so no salt a client
+chooses can give a seed of an adapter's requests.
 """
 
 from __future__ import annotations
@@ -15,11 +23,18 @@ import numpy as np
 KEY_BYTES = 16
 
 
-def seed_key(namespace: str, salt: str | None = None) -> bytes:
-    """The chain's starting value: different namespaces or salts never share a key."""
-    h = blake3.blake3(b"pdserve-chunk-v1\0")
+def _adapter_bytes(adapter: str) -> bytes:
+    name = adapter.encode()
+    return len(name).to_bytes(4, "little") + name
+
+
+def seed_key(namespace: str, salt: str | None = None, adapter: str | None = None) -> bytes:
+    """The chain's starting value: different namespaces, salts or adapters never share a key."""
+    h = blake3.blake3(b"pdserve-chunk-lora-v1\0" if adapter else b"pdserve-chunk-v1\0")
     h.update(namespace.encode())
     h.update(b"\0")
+    if adapter:
+        h.update(_adapter_bytes(adapter))
     if salt:
         h.update(salt.encode())
     return h.digest(length=KEY_BYTES)
@@ -30,12 +45,13 @@ def chunk_keys(
     token_ids: Sequence[int],
     chunk_size: int,
     salt: str | None = None,
+    adapter: str | None = None,
 ) -> list[bytes]:
     """One key per *full* chunk of `token_ids`; a trailing partial chunk has no key."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     tokens = np.asarray(token_ids, dtype=np.int64)
-    prev = seed_key(namespace, salt)
+    prev = seed_key(namespace, salt, adapter)
     keys: list[bytes] = []
     for start in range(0, len(tokens) - chunk_size + 1, chunk_size):
         h = blake3.blake3(prev)
@@ -45,9 +61,11 @@ def chunk_keys(
     return keys
 
 
-def prompt_digest(token_ids: Sequence[int], salt: str | None = None) -> str:
-    """A short hex digest of a whole prompt (and its cache salt): binds a handoff to one prompt."""
-    h = blake3.blake3(b"pdserve-prompt-v1\0")
+def prompt_digest(token_ids: Sequence[int], salt: str | None = None, adapter: str | None = None) -> str:
+    """A short hex digest of a whole prompt (and its cache salt and adapter): binds a handoff to one prompt."""
+    h = blake3.blake3(b"pdserve-prompt-lora-v1\0" if adapter else b"pdserve-prompt-v1\0")
+    if adapter:
+        h.update(_adapter_bytes(adapter))
     if salt:
         h.update(salt.encode())
     h.update(b"\0")

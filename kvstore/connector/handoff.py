@@ -55,9 +55,9 @@ def handoff_wait(params: dict[str, Any], default_s: float) -> float:
     return default_s
 
 
-def handoff_tail_id(handoff: str, prompt: list[int], salt: str | None) -> str:
-    """The tail's name in the store: the handoff id bound to the prompt it was computed for."""
-    return f"h-{handoff}-{prompt_digest(prompt, salt)}"
+def handoff_tail_id(handoff: str, prompt: list[int], salt: str | None, adapter: str | None = None) -> str:
+    """The tail's name in the store: the handoff id bound to the prompt (and adapter) it was computed for."""
+    return f"h-{handoff}-{prompt_digest(prompt, salt, adapter)}"
 
 
 class HandoffWatch:

@@ -68,6 +68,8 @@ class ReqState:
     keys: list[bytes]
     remote_decode: bool
     salt: str | None = None
+    adapter: str | None = None  # the request's LoRA adapter: part of what its KV is
+    by_tokens: bool = True  # its KV follows from its token ids (`_keyed_by_tokens`); else never saved or loaded
     handoff_tail: str | None = None  # the tail's name when the router overlaps the legs
     chunks_in_store: int = 0
     chunks_saved: int = 0
@@ -75,6 +77,21 @@ class ReqState:
     tail_saved: bool = False
     load_issued: bool = False
     block_ids: list[list[int]] = field(default_factory=list)
+
+
+def _adapter(request: Any) -> str | None:
+    """The name of the request's LoRA adapter (both legs' engines serve it under the name the router sends)."""
+    name = getattr(getattr(request, "lora_request", None), "lora_name", None)
+    return name if isinstance(name, str) and name else None
+
+
+def _keyed_by_tokens(request: Any) -> bool:
+    """Whether token ids (with the salt and the adapter) say what the request's KV is. Not for images,
+    audio or video: their placeholder tokens are the same for any picture of a size, so two requests
+    would share keys for different KV (vLLM's own prefix cache hashes the media into its blocks). Nor for
+    prompt embeddings, which have no real token ids. Such requests are neither saved nor loaded."""
+    media = getattr(request, "mm_features", None) or getattr(request, "mm_positions", None)
+    return not media and getattr(request, "prompt_embeds", None) is None
 
 
 class SchedulerSide:
@@ -116,14 +133,18 @@ class SchedulerSide:
             prompt = list(request.prompt_token_ids or [])
             params = request.kv_transfer_params or {}
             salt = getattr(request, "cache_salt", None)
+            adapter = _adapter(request)
+            by_tokens = _keyed_by_tokens(request)
             remote_decode = bool(params.get("do_remote_decode"))
             handoff = handoff_id(params) if remote_decode else None
             state = ReqState(
                 prompt=prompt,
-                keys=chunk_keys(self.namespace, prompt, self.chunk_size, salt),
+                keys=chunk_keys(self.namespace, prompt, self.chunk_size, salt, adapter) if by_tokens else [],
                 remote_decode=remote_decode,
                 salt=salt,
-                handoff_tail=handoff_tail_id(handoff, prompt, salt) if handoff else None,
+                adapter=adapter,
+                by_tokens=by_tokens,
+                handoff_tail=handoff_tail_id(handoff, prompt, salt, adapter) if handoff and by_tokens else None,
             )
             self.reqs[request.request_id] = state
         return state
@@ -147,7 +168,8 @@ class SchedulerSide:
         handoff = handoff_id(params)
         if params.get(PARAMS_TAG) != 1 or handoff is None or len(state.prompt) < 2:
             return None
-        tail_id = handoff_tail_id(handoff, state.prompt, state.salt) if len(state.prompt) % self.chunk_size else None
+        tail_id = (handoff_tail_id(handoff, state.prompt, state.salt, state.adapter)
+                   if len(state.prompt) % self.chunk_size else None)
         if tail_id is None and not state.keys:
             return None
         end = len(state.prompt) if tail_id else len(state.keys) * self.chunk_size
@@ -172,7 +194,7 @@ class SchedulerSide:
         whole = made_for == len(state.prompt)
         start = 0 < made_for < len(state.prompt) and digest is not None
         if (not (whole or start) or promised != state.keys[: len(promised)]
-                or (digest is not None and digest != prompt_digest(state.prompt[:made_for], state.salt))):
+                or (digest is not None and digest != prompt_digest(state.prompt[:made_for], state.salt, state.adapter))):
             log.warning("kv_transfer_params do not match this prompt; ignoring them")
             return None
         tail_id = params.get("tail_id")
@@ -195,9 +217,10 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         state = self._state(request)
-        if state.load_issued:
+        if state.load_issued or not state.by_tokens:
             # One load attempt per request: vLLM asks again only after a failed load,
-            # and then it must recompute rather than wait on the store again.
+            # and then it must recompute rather than wait on the store again. And none
+            # for a request whose tokens do not say what its KV is.
             return 0, False
         if request.request_id in self.plans:
             plan = self.plans[request.request_id]
@@ -253,6 +276,8 @@ class SchedulerSide:
     # saving -----------------------------------------------------------------
     def _save_job(self, req_id: str, state: ReqState, computed_end: int) -> TransferJob | None:
         """Objects that became complete by `computed_end` and that the store lacks."""
+        if not state.by_tokens:
+            return None
         prompt_len = len(state.prompt)
         done = min(computed_end, prompt_len) // self.chunk_size
         first = max(state.chunks_saved, state.chunks_in_store)
@@ -322,7 +347,7 @@ class SchedulerSide:
         watch = self.watches.pop(request.request_id, None)
         if watch is not None:
             watch.cancel()
-        if state is None or not state.remote_decode or not self.saves:
+        if state is None or not state.remote_decode or not state.by_tokens or not self.saves:
             return None
         if request.is_finished() and str(request.status).endswith("ABORTED"):
             if state.tail_id:
@@ -337,7 +362,7 @@ class SchedulerSide:
             "chunk_keys": [k.hex() for k in state.keys],
             "num_tokens": len(state.prompt),
             # the whole prompt, tail included: the chunk keys cover only its whole chunks
-            "prompt_digest": prompt_digest(state.prompt, state.salt),
+            "prompt_digest": prompt_digest(state.prompt, state.salt, state.adapter),
             "tail_id": state.tail_id,
         }
 

@@ -2,7 +2,8 @@
 
 Decode-only when the request cannot share one prefill (a batch of prompts, n > 1 or beam
 search: vLLM would fork child requests that all claim the prefill's one tail), when it asks
-for the prompt's own logprobs (the decode engine then reads no cached KV), when no
+for the prompt's own logprobs (the decode engine then reads no cached KV), when it carries
+images, audio, video or prompt embeddings (the KV store keys KV by token ids), when no
 prefill worker is available, when the prompt is short (`--pd-min-prompt-tokens`), when
 the KV store already holds most of it (`--pd-max-cached-fraction`), when max_tokens alone
 exceeds the decode workers' context (their engine refuses it at once), or
@@ -72,6 +73,24 @@ def _scores_prompt(call: Call) -> bool:
     return bool(body.get("echo")) and logprobs is not None
 
 
+# Chat content parts that are text; any other part (image_url, input_audio, video_url, ...) is media.
+_TEXT_PARTS = frozenset(("text", "input_text", "output_text", "refusal", "thinking"))
+
+
+def _has_media(call: Call) -> bool:
+    """Images, audio or video in a chat's messages, or a completion's prompt embeddings: the connector neither
+    saves nor loads such a prompt's KV (its token ids do not say what it is), so a prefill leg is wasted."""
+    if call.route == "completions":
+        return call.body.get("prompt_embeds") is not None
+    messages = call.body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(part, dict) and part.get("type") not in _TEXT_PARTS
+                                             for part in content):
+            return True
+    return False
+
+
 def _prompt_text(call: Call) -> str | None:
     """A text prompt, or a chat's messages' contents joined; None for any other prompt."""
     if call.route == "completions":
@@ -116,6 +135,8 @@ class PathPlanner:
             return "decode_only_n", ctx
         if _scores_prompt(call):
             return "decode_only_prompt_logprobs", ctx
+        if _has_media(call):
+            return "decode_only_media", ctx
         prefill_workers = self.prefill.candidates(call.model)
         if not prefill_workers:
             return "decode_only_no_prefill", ctx
@@ -198,7 +219,8 @@ class PathPlanner:
             return "decode_only_short"
         if ids is not None and lookup:
             t = time.perf_counter()
-            ctx.prefix_tokens = await self._prefix_tokens(ids, call.body.get("cache_salt"), prefill_workers)
+            ctx.prefix_tokens = await self._prefix_tokens(ids, call.body.get("cache_salt"), call.model,
+                                                          prefill_workers)
             self._timed("store_lookup", t)
             if ctx.prefix_tokens and max(ctx.prefix_tokens.values()) >= self.cfg.pd_max_cached_fraction * len(ids):
                 return "decode_only_cached"
@@ -222,10 +244,11 @@ class PathPlanner:
         its first call that can grow with the prompt or wait on another process."""
         self.metrics.series(self.metrics.plan, step).observe(time.perf_counter() - t_start)
 
-    async def _prefix_tokens(self, ids: list[int], salt: Any, workers: list[Worker]) -> dict[str, int]:
+    async def _prefix_tokens(self, ids: list[int], salt: Any, model: str | None,
+                             workers: list[Worker]) -> dict[str, int]:
         """Prompt tokens already stored, per KV backend URL, from every backend that can tell."""
         salt = salt if isinstance(salt, str) else None
-        found = await self.store.prefix_tokens(ids, salt) if self.store.layouts else {}
+        found = await self.store.prefix_tokens(ids, salt, self.prefill.adapter(model)) if self.store.layouts else {}
         if LMCacheView.servers(workers):
             found.update(await self.lmcache.prefix_tokens(workers, ids, salt))
         return found

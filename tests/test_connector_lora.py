@@ -1,0 +1,101 @@
+"""LoRA adapters and the KV store, on a real engine (vLLM CPU) with PDServeConnector as kv_both.
+
+The same prompt has another KV on each adapter (an adapter on one layer changes the hidden
+states every later layer caches), so the connector keys each adapter's chunks apart
+(kvstore/client/keys.py). Before that, a request on adapter b loaded the chunks a request on
+adapter a had stored and answered with other tokens. The model is the tiny Gemma-3: LoRA on
+the tiny DeepSeek's MoE layers needs Triton kernels the CPU build lacks. The adapters are
+random, on every layer's o_proj.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvstore_fixtures import start_kvstore
+from procs import Proc, start_vllm_server
+from router_fixtures import API_KEY, connector_args, long_prompt, metric
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 256  # the store's default chunk size
+RANK = 8
+HITS = "vllm:external_prefix_cache_hits_total"
+
+
+def _write_adapter(folder: Path, model_dir: Path, seed: int) -> Path:
+    """A PEFT LoRA adapter with random (not zero) weights on every layer's o_proj."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    width = cfg["num_attention_heads"] * cfg["head_dim"]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        name = f"base_model.model.model.layers.{layer}.self_attn.o_proj"
+        tensors[f"{name}.lora_A.weight"] = (torch.randn(RANK, width, generator=gen) * 0.5).to(torch.bfloat16)
+        tensors[f"{name}.lora_B.weight"] = (torch.randn(cfg["hidden_size"], RANK, generator=gen) * 0.5).to(torch.bfloat16)
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 2 * RANK, "lora_dropout": 0.0,
+        "target_modules": ["o_proj"], "bias": "none", "base_model_name_or_path": str(model_dir),
+    }))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    folder = tmp_path_factory.mktemp("adapters")
+    adapters = [f"{name}={_write_adapter(folder / name, tiny_gemma3, seed)}" for name, seed in (("a", 1), ("b", 2))]
+    store = start_kvstore(l1_size_gb=0.2)
+    try:
+        proc = start_vllm_server(tiny_gemma3, extra_args=[
+            *connector_args("kv_both", store.url), "--prefix-cache-retention-interval", str(CHUNK),
+            "--enable-lora", "--max-lora-rank", str(RANK), "--lora-modules", *adapters,
+        ], env={"VLLM_SERVER_DEV_MODE": "1"})  # for /reset_prefix_cache
+    except BaseException:
+        store.stop()
+        raise
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        store.stop()
+
+
+def _post(engine: Proc, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(engine.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        raw = resp.read()
+    return json.loads(raw) if raw.strip() else {}
+
+
+def _complete(engine: Proc, model: str, prompt: str, salt: str | None = None) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
+            **({"cache_salt": salt} if salt else {})}
+    return str(_post(engine, "/v1/completions", body)["choices"][0]["text"])
+
+
+def test_an_adapters_kv_is_never_loaded_for_another_adapter(engine: Proc) -> None:
+    prompt = long_prompt(300, seed=11)  # over two chunks
+    own = _complete(engine, "b", prompt, salt="computed")  # a salt of its own: nothing in the store is its
+    assert _complete(engine, "a", prompt) != own  # the adapters answer differently (a's chunks are stored now)
+    hits = metric(engine.url, HITS)
+    assert _complete(engine, "b", prompt) == own
+    assert metric(engine.url, HITS) == hits  # nothing of a's was loaded for b
+
+
+def test_an_adapters_kv_is_saved_and_loaded_for_that_adapter(engine: Proc) -> None:
+    prompt = long_prompt(300, seed=12)
+    first = _complete(engine, "b", prompt)  # computed, and its whole chunks stored under b's keys
+    _post(engine, "/reset_prefix_cache")  # the engine's own cache forgets them; the store does not
+    hits = metric(engine.url, HITS)
+    assert _complete(engine, "b", prompt) == first
+    assert metric(engine.url, HITS) - hits >= CHUNK
