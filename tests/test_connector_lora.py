@@ -3,13 +3,15 @@
 The same prompt has another KV on each adapter (an adapter on one layer changes the hidden
 states every later layer caches), so the connector keys each adapter's chunks apart
 (kvstore/client/keys.py). Before that, a request on adapter b loaded the chunks a request on
-adapter a had stored and answered with other tokens. The model is the tiny Gemma-3: LoRA on
-the tiny DeepSeek's MoE layers needs Triton kernels the CPU build lacks. The adapters are
-random, on every layer's o_proj.
+adapter a had stored and answered with other tokens. On the CPU build the model is the tiny
+Gemma-3 (with LoRA on, vLLM runs the tiny DeepSeek's MoE layers through Triton kernels the CPU
+build lacks); on a CUDA host with GPU vLLM (deploy/gpu_host/session.sh lora) it is the tiny
+DeepSeek-V3. The adapters are random, on every layer's o_proj.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import urllib.request
 from pathlib import Path
@@ -20,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvstore_fixtures import start_kvstore
-from procs import Proc, start_vllm_server
+from procs import ENGINE_ARGS, Proc, start_vllm_server
 from router_fixtures import API_KEY, connector_args, long_prompt, metric
 
 pytestmark = pytest.mark.engine
@@ -28,12 +30,25 @@ pytestmark = pytest.mark.engine
 CHUNK = 256  # the store's default chunk size
 RANK = 8
 HITS = "vllm:external_prefix_cache_hits_total"
+GPU_ENGINE_ARGS = ("--max-model-len", "4096", "--max-num-seqs", "8", "--enforce-eager",
+                   "--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.15")
+
+
+def _on_gpu() -> bool:
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+ON_GPU = _on_gpu()
 
 
 def _write_adapter(folder: Path, model_dir: Path, seed: int) -> Path:
     """A PEFT LoRA adapter with random (not zero) weights on every layer's o_proj."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    width = cfg["num_attention_heads"] * cfg["head_dim"]
+    width = cfg["num_attention_heads"] * cfg.get("v_head_dim", cfg.get("head_dim"))  # o_proj's input
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg["num_hidden_layers"]):
@@ -50,15 +65,19 @@ def _write_adapter(folder: Path, model_dir: Path, seed: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
+    model: Path = request.getfixturevalue("tiny_deepseek_v3" if ON_GPU else "tiny_gemma3")
     folder = tmp_path_factory.mktemp("adapters")
-    adapters = [f"{name}={_write_adapter(folder / name, tiny_gemma3, seed)}" for name, seed in (("a", 1), ("b", 2))]
+    adapters = [f"{name}={_write_adapter(folder / name, model, seed)}" for name, seed in (("a", 1), ("b", 2))]
+    # Gemma-3's sliding-window layers need the retention interval (vLLM 0.32, the CPU build)
+    own = () if ON_GPU else ("--prefix-cache-retention-interval", str(CHUNK))
     store = start_kvstore(l1_size_gb=0.2)
     try:
-        proc = start_vllm_server(tiny_gemma3, extra_args=[
-            *connector_args("kv_both", store.url), "--prefix-cache-retention-interval", str(CHUNK),
+        proc = start_vllm_server(model, extra_args=[
+            *connector_args("kv_both", store.url), *own,
             "--enable-lora", "--max-lora-rank", str(RANK), "--lora-modules", *adapters,
-        ], env={"VLLM_SERVER_DEV_MODE": "1"})  # for /reset_prefix_cache
+        ], env={"VLLM_SERVER_DEV_MODE": "1"},  # for /reset_prefix_cache
+            engine_args=GPU_ENGINE_ARGS if ON_GPU else ENGINE_ARGS)
     except BaseException:
         store.stop()
         raise

@@ -9,6 +9,7 @@
 #   install          pdserve beside vLLM (host_env.sh says how), tiny DeepSeek-V3 and V3.2 models
 #   tests            the GPU tests of the kernels and the connector's copy path and stream order
 #   tests-pd         the P/D stack tests (PDSERVE_TEST_ARCHS picks the models; default both)
+#   lora             LoRA adapters' KV kept apart in the store (tests/test_connector_lora.py, tiny DeepSeek-V3)
 #   bench-2k         pdserve bench serve --compare, 2k-token prompts, c=1 and 8
 #   bench-2k-c1      the same at c=1 only, 24 prompts (a steadier p50 for the c=1 handoff; about 200 s)
 #   bench-2k-c8      the same at c=8 only, 16 prompts
@@ -49,6 +50,7 @@ for s in "$@"; do
     install) step install 120 install_pdserve ;;
     tests) step tests "$LIMIT" python3 -m pytest -q -m gpu -p no:cacheprovider "${GPU_TESTS[@]/#/$REPO/tests/}" ;;
     tests-pd) step tests-pd "$LIMIT" python3 -m pytest -v -m gpu -p no:cacheprovider "$REPO/tests/test_gpu_pd.py" ;;
+    lora) step lora "$LIMIT" python3 -m pytest -v -p no:cacheprovider "$REPO/tests/test_connector_lora.py" ;;
     bench-2k) step bench-2k "$LIMIT" bench_serve 2048 16 1 8 ;;
     bench-2k-c1) step bench-2k-c1 "$LIMIT" bench_serve 2048 24 1 ;;
     bench-2k-c8) step bench-2k-c8 "$LIMIT" bench_serve 2048 16 8 ;;
