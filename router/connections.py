@@ -36,11 +36,11 @@ import asyncio
 import logging
 from typing import Any, Callable
 
-from pdserve.router.errors import error_json
-
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pdserve.router.errors import error_json
 
 log = logging.getLogger("pdserve.router.connections")
 
