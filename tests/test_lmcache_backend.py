@@ -61,6 +61,7 @@ def test_the_default_backend_is_still_pdserves_store() -> None:
     (["--kv-backend", "lmcache", "--lmcache-url", "tcp://h:99999"], "tcp://HOST:PORT"),
     (["--kv-backend", "lmcache", "--lmcache-url", "tcp://h:1", "--kvstore-url", "tcp://h:2"], "pass --lmcache-url"),
     (["--kvstore-url", "tcp://h:2", "--lmcache-url", "tcp://h:1"], "needs --kv-backend lmcache"),
+    (["--kv-backend", "lmcache", "--lmcache-url", "tcp://h:1", "--", "--enable-lora"], "do not tell adapters apart"),
 ])
 def test_bad_backend_combinations_are_refused_clearly(argv: list[str], message: str) -> None:
     with pytest.raises(WorkerError, match=message):

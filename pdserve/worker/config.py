@@ -196,6 +196,11 @@ def config_from_args(role: Role, argv: Sequence[str]) -> WorkerConfig:
                 parse_url(args.lmcache_url)
             except ValueError as exc:
                 raise WorkerError(f"--lmcache-url: {exc}") from None
+        if connector and any(a == "--enable-lora" or a.startswith("--enable-lora=") for a in vllm_args):
+            # LMCache 0.5.6's multiprocess keys are model, world size, worker, tokens and salt: requests on
+            # different adapters would load each other's KV and answer wrong (pdserve's store keys the adapter)
+            raise WorkerError("--enable-lora with --kv-backend lmcache: LMCache's cache keys do not tell "
+                              "adapters apart, so they would share KV; use the pdserve backend for adapters")
     else:
         if args.lmcache_url:
             raise WorkerError("--lmcache-url needs --kv-backend lmcache")
