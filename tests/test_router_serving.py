@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import httpx
@@ -128,14 +129,16 @@ async def _ok(_scope: object, _receive: object, send: Any) -> None:
 HEAD_TIMEOUT_S = 0.2
 
 
-@pytest.fixture
-async def deadline_server() -> AsyncIterator[tuple[str, int]]:
-    """uvicorn with the router's server protocol, a short head deadline and a long keep-alive."""
+@asynccontextmanager
+async def _serving(app: Any, http: type, send_buffer: int | None = None,
+                   **config: Any) -> AsyncIterator[tuple[str, int]]:
+    """uvicorn in this loop with the protocol class `http`, on a loopback port; `send_buffer` sizes the
+    listening socket's send buffer, which accepted connections inherit."""
     sock = socket.socket()
+    if send_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(_ok, loop="none", http=server_protocol(HEAD_TIMEOUT_S, 60.0), lifespan="off",
-                            timeout_keep_alive=60, log_level="warning")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn.Config(app, loop="none", http=http, lifespan="off", log_level="warning", **config))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
@@ -144,6 +147,13 @@ async def deadline_server() -> AsyncIterator[tuple[str, int]]:
     finally:
         server.should_exit = True
         await task
+
+
+@pytest.fixture
+async def deadline_server() -> AsyncIterator[tuple[str, int]]:
+    """uvicorn with the router's server protocol, a short head deadline and a long keep-alive."""
+    async with _serving(_ok, server_protocol(HEAD_TIMEOUT_S, 60.0), timeout_keep_alive=60) as address:
+        yield address
 
 
 async def _closed_by_server(reader: asyncio.StreamReader) -> bool:
@@ -177,19 +187,8 @@ HEAD_LIMIT = 4096
 @pytest.fixture
 async def head_limit_server() -> AsyncIterator[tuple[str, int]]:
     """uvicorn with the router's server protocol and a small head size limit."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(_ok, loop="none", http=server_protocol(60.0, 60.0, max_head_bytes=HEAD_LIMIT),
-                            lifespan="off", log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield sock.getsockname()[:2]
-    finally:
-        server.should_exit = True
-        await task
+    async with _serving(_ok, server_protocol(60.0, 60.0, max_head_bytes=HEAD_LIMIT)) as address:
+        yield address
 
 
 async def _refused_as_too_large(reader: asyncio.StreamReader) -> None:
@@ -269,21 +268,9 @@ async def _gone(receive: Any) -> bool:
 async def stream_server() -> AsyncIterator[tuple[tuple[str, int], Streamer]]:
     """uvicorn with the router's server protocol and a short send timeout. Its listening socket's small send
     buffer (inherited by the connections) keeps the kernel from absorbing the answer: writes pause soon."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-    sock.bind(("127.0.0.1", 0))
     app = Streamer()
-    config = uvicorn.Config(app, loop="none", http=server_protocol(60.0, SEND_TIMEOUT_S), lifespan="off",
-                            log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve(sockets=[sock]))
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield sock.getsockname()[:2], app
-    finally:
-        server.should_exit = True
-        await task
+    async with _serving(app, server_protocol(60.0, SEND_TIMEOUT_S), send_buffer=16384) as address:
+        yield address, app
 
 
 async def _request(address: tuple[str, int]) -> socket.socket:
