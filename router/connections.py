@@ -9,7 +9,9 @@ closed here (the body's own deadline and size limit are in requests.py):
 - httptools keeps a head's URL and headers, however long, until the head ends: one
   connection streaming header lines took the router's RSS past 4.8 GB within 20 s (of the
   30 s head deadline; before any authentication). A head over `--max-header-bytes` gets
-  a 431 and its connection closed, as nginx and Node bound theirs.
+  a 431 and its connection closed, as nginx and Node bound theirs. A chunked body's
+  trailers are kept the same way (and come under the body's deadline): reads after the
+  head that carry no body, chunk or end count against the same limit.
 - A client that stops reading its answer holds it for good: uvicorn waits for the socket to
   drain, the relay stops reading the worker, and the request keeps its slot on that worker
   (`--max-inflight-per-worker`). Measured before this: four never-read streams on a worker
@@ -138,7 +140,7 @@ class HeadTooLarge(Exception):
 
 
 def _head_too_large(limit: int) -> bytes:
-    body = error_json(431, f"request head (URL and headers) over {limit} bytes")
+    body = error_json(431, f"request head (URL and headers) or trailers over {limit} bytes")
     return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
 
@@ -167,6 +169,8 @@ def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callab
         _head_bytes = 0  # bytes of the reads after which the head was still coming (but its first read)
         _head_fresh = False  # the head began in the read now being parsed
         _head_too_large = False
+        _progress = False  # the read being parsed carried body, a chunk or a message's end
+        _stalled_bytes = 0  # bytes of reads since the head without any of those (trailers, chunk extensions)
 
         def _head_begins(self) -> None:
             self._head_since = self.loop.time()
@@ -218,8 +222,12 @@ def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callab
             self._head_begins()
 
         def data_received(self, data: bytes) -> None:
+            self._progress = False
             super().data_received(data)
-            if self._head_since is None or self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if self._head_since is None:
+                self._count_body_read(len(data))
                 return
             # A head still coming after this read: its bytes so far sit in httptools's buffers, also those of
             # a header line not yet ended (which no callback reports). The read a head began in is not
@@ -231,6 +239,28 @@ def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callab
             if self._head_bytes > max_head_bytes:
                 self._head_too_large = True
                 self.send_400_response("")
+
+        def _count_body_read(self, size: int) -> None:
+            """After the head, a read with no body, chunk or end in it is a trailer's (httptools keeps a trailer
+            line until it ends) or a chunk extension's: more than the head's limit of those in a row is refused."""
+            if self._progress:
+                self._stalled_bytes = 0
+                return
+            self._stalled_bytes += size
+            if self._stalled_bytes > max_head_bytes:
+                self._head_too_large = True
+                self.send_400_response("")
+
+        def on_body(self, body: bytes) -> None:
+            self._progress = True
+            super().on_body(body)
+
+        def on_chunk_header(self) -> None:
+            self._progress = True
+
+        def on_message_complete(self) -> None:
+            self._progress = True
+            super().on_message_complete()
 
         def _grow_head(self, size: int) -> None:
             self._head_size += size
@@ -250,7 +280,7 @@ def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callab
             if not self._head_too_large:
                 super().send_400_response(msg)
                 return
-            log.info("client %s sent a request head over %d bytes: 431, connection closed", self.client,
+            log.info("client %s sent a request head or trailers over %d bytes: 431, connection closed", self.client,
                      max_head_bytes)
             self._head_since = None
             self.transport.write(_head_too_large(max_head_bytes))
@@ -262,6 +292,7 @@ def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callab
 
         def on_headers_complete(self) -> None:
             self._head_since = None
+            self._progress, self._stalled_bytes = True, 0
             super().on_headers_complete()
 
         def on_response_complete(self) -> None:

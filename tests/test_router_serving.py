@@ -228,6 +228,29 @@ async def test_a_header_line_that_never_ends_is_cut_near_the_limit(head_limit_se
     writer.close()
 
 
+async def test_a_trailer_that_never_ends_is_cut_and_small_chunks_are_not(head_limit_server) -> None:  # type: ignore[no-untyped-def]
+    """A chunked body's trailers are kept whole by httptools too; chunks, however small, are body."""
+    head = b"POST / HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+    reader, writer = await asyncio.open_connection(*head_limit_server)
+    writer.write(head)
+    for _ in range(2 * HEAD_LIMIT // 8):  # more chunk framing than the limit, in reads of their own
+        writer.write(b"1\r\nx\r\n")
+        await writer.drain()
+        await asyncio.sleep(0)
+    writer.write(b"0\r\n\r\n")
+    assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
+    writer.write(head + b"3\r\nabc\r\n0\r\nX-Trailer: ")
+    sent = 0
+    with pytest.raises(ConnectionError):
+        while sent < 100 * HEAD_LIMIT:
+            writer.write(b"a" * 1024)
+            await writer.drain()
+            sent += 1024
+            await asyncio.sleep(0.001)
+    assert sent < 100 * HEAD_LIMIT
+    writer.close()
+
+
 async def test_a_body_in_the_same_read_as_its_head_does_not_count_as_head(head_limit_server) -> None:  # type: ignore[no-untyped-def]
     body = b"x" * (4 * HEAD_LIMIT)
     reader, writer = await asyncio.open_connection(*head_limit_server)
