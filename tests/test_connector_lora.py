@@ -96,10 +96,13 @@ def _post(engine: Proc, path: str, body: dict | None = None) -> dict:
     return json.loads(raw) if raw.strip() else {}
 
 
-def _complete(engine: Proc, model: str, prompt: str, salt: str | None = None) -> str:
-    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0.0,
+def _complete(engine: Proc, model: str, prompt: str, salt: str | None = None) -> tuple[str, list[float]]:
+    """The greedy answer and its tokens' logprobs: random tiny models may answer alike on two adapters (seen on
+    the GPU with the tiny DeepSeek), their logprobs tell the adapters apart."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "logprobs": 1,
             **({"cache_salt": salt} if salt else {})}
-    return str(_post(engine, "/v1/completions", body)["choices"][0]["text"])
+    choice = _post(engine, "/v1/completions", body)["choices"][0]
+    return str(choice["text"]), list(choice["logprobs"]["token_logprobs"])
 
 
 def test_an_adapters_kv_is_never_loaded_for_another_adapter(engine: Proc) -> None:
