@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from kvstore_fixtures import start_kvstore
 from procs import ENGINE_ARGS, Proc, start_vllm_server
-from router_fixtures import API_KEY, connector_args, long_prompt, metric
+from router_fixtures import API_KEY, connector_args, long_prompt, metric, start_router
 
 pytestmark = pytest.mark.engine
 
@@ -121,3 +121,18 @@ def test_an_adapters_kv_is_saved_and_loaded_for_that_adapter(engine: Proc) -> No
     hits = metric(engine.url, HITS)
     assert _complete(engine, "b", prompt) == first
     assert metric(engine.url, HITS) - hits >= CHUNK
+
+
+def test_pd_through_the_router_on_an_adapter_equals_that_adapter_alone(engine: Proc) -> None:
+    """The router's legs both name the adapter; the engine serves both legs here (a kv_both engine can), so the
+    prefill's tail goes through the store under the adapter's handoff name."""
+    router = start_router("--prefill", engine.url, "--decode", engine.url, "--api-key", API_KEY,
+                          "--pd-min-prompt-tokens", "0")
+    try:
+        prompt = long_prompt(300, seed=13)
+        own = _complete(engine, "a", prompt, salt="computed")
+        assert _complete(router, "a", prompt) == own
+        paths = sum(metric(router.url, "pdserve_router_paths_total", {"path": p}) for p in ("pd", "pd_overlap"))
+        assert paths == 1
+    finally:
+        router.stop()
