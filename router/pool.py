@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Iterable, Literal, Protocol, Sequen
 
 from prometheus_client import Gauge
 
+from pdserve.kvstore.client.keys import adapter_identity
 from pdserve.kvstore.client.lmcache_mp import LMCacheKey
 from pdserve.router.breaker import Breaker, Verdict
 from pdserve.router.config import RouterConfig
@@ -257,12 +258,14 @@ class Pool:
         return min(lens, default=None)
 
     def adapter(self, model: str | None) -> str | None:
-        """`model` when the workers serve it as a LoRA adapter (vLLM's card names the base model as its
-        `parent`): the KV store keys an adapter's KV apart (kvstore/client/keys.py)."""
+        """`model`'s identity as a LoRA adapter when the workers serve it as one (vLLM's card names the base
+        model as its `parent`, the adapter's path as its `root`): the KV store keys an adapter's KV apart
+        (kvstore/client/keys.py)."""
         for w in self.candidates(model):
             for card in w.model_cards or ():
-                if str(card.get("id")) == model and card.get("parent") is not None:
-                    return model
+                if model is not None and str(card.get("id")) == model and card.get("parent") is not None:
+                    root = card.get("root")
+                    return adapter_identity(model, root if isinstance(root, str) else None)
         return None
 
     def model_cards(self) -> list[dict[str, Any]]:

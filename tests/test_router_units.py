@@ -14,6 +14,7 @@ import aiohttp
 import msgspec
 import pytest
 
+from pdserve.kvstore.client.keys import adapter_identity
 from pdserve.router.config import RouterConfig, config_from_args
 from pdserve.router.errors import RouterError
 from pdserve.router.metrics import RouterMetrics
@@ -218,8 +219,9 @@ def test_max_model_len_is_the_smallest_a_models_workers_report_once_all_have() -
 def test_a_model_is_an_adapter_where_its_card_names_a_parent() -> None:
     pool = _pool(n=1)
     [w] = pool.workers.values()
-    w.model_cards = [{"id": "base", "parent": None}, {"id": "sql", "parent": "base"}]
-    assert (pool.adapter("base"), pool.adapter("sql"), pool.adapter("other")) == (None, "sql", None)
+    w.model_cards = [{"id": "base", "parent": None}, {"id": "sql", "parent": "base", "root": "/adapters/sql"}]
+    assert (pool.adapter("base"), pool.adapter("other")) == (None, None)
+    assert pool.adapter("sql") == adapter_identity("sql", "/adapters/sql")  # as the connector keys it
 
 
 # ---------------------------------------------------------------- stream parsing and prefill body

@@ -9,18 +9,28 @@ The adapter is in the seed because it changes the KV of the same tokens (any ada
 a layer changes the hidden states every later layer caches); without it, a request on
 adapter B loaded what adapter A's request had stored and answered with other tokens
 (tiny Gemma-3, two random o_proj adapters, 2026-12-07). Seeds with an adapter come from
-a domain of their own, and the adapter's name is length-prefixed, so no salt a client
-chooses can give a seed of an adapter's requests.
+a domain of their own, and the adapter's identity is length-prefixed, so no salt a client
+chooses can give a seed of an adapter's requests. An adapter is its name and the path it was
+loaded from (`adapter_identity`), as in vLLM's own block hashes: a name pointed at other
+weights does not reuse the KV of the old ones, and engines share an adapter's KV when they
+load it from the same path.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import blake3
 import numpy as np
 
 KEY_BYTES = 16
+
+
+def adapter_identity(name: str, path: str | None) -> str:
+    """What keys a LoRA adapter's KV: its name and the path it was loaded from (vLLM's `lora_path`, which
+    its /v1/models card shows as `root`)."""
+    return json.dumps([name, path or ""])
 
 
 def _adapter_bytes(adapter: str) -> bytes:

@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.client.health import StoreDown, health_of
-from pdserve.kvstore.client.keys import chunk_keys, prompt_digest
+from pdserve.kvstore.client.keys import adapter_identity, chunk_keys, prompt_digest
 from pdserve.kvstore.connector.handoff import HandoffWatch, handoff_id, handoff_tail_id, handoff_wait
 from pdserve.kvstore.connector.plan import GroupGeometry, TransferJob, plan_objects
 
@@ -80,9 +80,10 @@ class ReqState:
 
 
 def _adapter(request: Any) -> str | None:
-    """The name of the request's LoRA adapter (both legs' engines serve it under the name the router sends)."""
-    name = getattr(getattr(request, "lora_request", None), "lora_name", None)
-    return name if isinstance(name, str) and name else None
+    """The request's LoRA adapter as the keys know it (`adapter_identity`), or None."""
+    lora = getattr(request, "lora_request", None)
+    name, path = getattr(lora, "lora_name", None), getattr(lora, "lora_path", None)
+    return adapter_identity(name, path if isinstance(path, str) else None) if isinstance(name, str) and name else None
 
 
 def _keyed_by_tokens(request: Any) -> bool:
