@@ -9,9 +9,11 @@ closed here (the body's own deadline and size limit are in requests.py):
 - httptools keeps a head's URL and headers, however long, until the head ends: one
   connection streaming header lines took the router's RSS past 4.8 GB within 20 s (of the
   30 s head deadline; before any authentication). A head over `--max-header-bytes` gets
-  a 431 and its connection closed, as nginx and Node bound theirs. A chunked body's
-  trailers are kept the same way (and come under the body's deadline): reads after the
-  head that carry no body, chunk or end count against the same limit.
+  a 431 and its connection closed, as nginx and Node bound theirs. A header line (or a
+  chunked body's trailer line, which httptools keeps the same way, under the body's
+  deadline) that does not end reaches no callback: reads in a row that bring no progress
+  (a request's start, the head's end, body, a chunk, the request's end) count against the
+  same limit.
 - A client that stops reading its answer holds it for good: uvicorn waits for the socket to
   drain, the relay stops reading the worker, and the request keeps its slot on that worker
   (`--max-inflight-per-worker`). Measured before this: four never-read streams on a worker
@@ -148,9 +150,9 @@ def _head_too_large(limit: int) -> bytes:
 def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callable[[], None] = lambda: None,
                     max_head_bytes: int = 64 << 10) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol, closing a connection whose request head is not in within `timeout` s
-    or runs past `max_head_bytes` (after a 431), aborting one that takes no byte of its answer for
-    `send_timeout` s while its writes are paused (and calling `on_send_timeout`), and writing through
-    `GatheredWrites`.
+    or whose head or trailers run past `max_head_bytes` (after a 431), aborting one that takes no byte of
+    its answer for `send_timeout` s while its writes are paused (and calling `on_send_timeout`), and
+    writing through `GatheredWrites`.
 
     The head's clock starts when the connection opens and again at a request's first byte
     (a keep-alive connection waits for its next request under uvicorn's own timeout). The send's
@@ -165,17 +167,15 @@ def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callab
         _head_since: float | None = None  # when the request head now coming began (None: none is)
         _send_timer: asyncio.TimerHandle | None = None  # set while writing is paused
         _unsent = 0  # bytes the transport held when the send timer was last set
-        _head_size = 0  # the head's URL and header lines so far
-        _head_bytes = 0  # bytes of the reads after which the head was still coming (but its first read)
-        _head_fresh = False  # the head began in the read now being parsed
+        _head_size = 0  # the head's URL and header lines so far (and a chunked body's trailer lines)
         _head_too_large = False
-        _progress = False  # the read being parsed carried body, a chunk or a message's end
-        _stalled_bytes = 0  # bytes of reads since the head without any of those (trailers, chunk extensions)
+        _progress = False  # the read being parsed began a request, ended its head, or carried body or its end
+        _stalled_bytes = 0  # bytes of the reads in a row without progress (a head or trailer line being sent)
 
         def _head_begins(self) -> None:
             self._head_since = self.loop.time()
-            self._head_size = self._head_bytes = 0
-            self._head_fresh = True
+            self._head_size = 0
+            self._progress = True
             if self._timer is None:
                 self._timer = self.loop.call_at(self._head_since + timeout, self._expire)
 
@@ -226,27 +226,13 @@ def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callab
             super().data_received(data)
             if self.transport.is_closing():
                 return
-            if self._head_since is None:
-                self._count_body_read(len(data))
-                return
-            # A head still coming after this read: its bytes so far sit in httptools's buffers, also those of
-            # a header line not yet ended (which no callback reports). The read a head began in is not
-            # counted: the end of the request before it may share that read.
-            if self._head_fresh:
-                self._head_fresh = False
-                return
-            self._head_bytes += len(data)
-            if self._head_bytes > max_head_bytes:
-                self._head_too_large = True
-                self.send_400_response("")
-
-        def _count_body_read(self, size: int) -> None:
-            """After the head, a read with no body, chunk or end in it is a trailer's (httptools keeps a trailer
-            line until it ends) or a chunk extension's: more than the head's limit of those in a row is refused."""
+            # A read without progress belongs to a head or trailer line being sent (or a chunk extension), which
+            # httptools keeps until the line ends; the read a request began in is not counted, as the end of
+            # the request before it (and so any body) may share it.
             if self._progress:
                 self._stalled_bytes = 0
                 return
-            self._stalled_bytes += size
+            self._stalled_bytes += len(data)
             if self._stalled_bytes > max_head_bytes:
                 self._head_too_large = True
                 self.send_400_response("")
@@ -292,7 +278,7 @@ def server_protocol(timeout: float, send_timeout: float, on_send_timeout: Callab
 
         def on_headers_complete(self) -> None:
             self._head_since = None
-            self._progress, self._stalled_bytes = True, 0
+            self._progress = True
             super().on_headers_complete()
 
         def on_response_complete(self) -> None:
