@@ -70,7 +70,7 @@ class RouterConfig:
     breaker_failures: int = 3
     breaker_cooldown: float = 5.0
     max_request_bytes: int = 16 << 20
-    max_header_bytes: int = 64 << 10  # a request's URL and headers together (nginx: 4 x 8 KiB, Node: 16 KiB)
+    max_header_bytes: int = 64 << 10  # a request's URL and headers together, or its trailers (nginx: 4 x 8 KiB)
     header_timeout: float = 30.0  # seconds for a client to send a request's head (request line and headers)
     body_timeout: float = 60.0  # seconds for a client to send its whole request body
     send_timeout: float = 60.0  # seconds a client may take no byte of its answer before its connection is cut
@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=d["max_request_bytes"].default,
                    help="larger request bodies get 413")
     p.add_argument("--max-header-bytes", type=int, default=d["max_header_bytes"].default,
-                   help="a request head (URL and headers) larger than this gets 431 and its connection closed")
+                   help="a request head (URL and headers), or a chunked body's trailers, larger than this gets 431 "
+                        "and its connection closed")
     p.add_argument("--header-timeout", type=float, default=d["header_timeout"].default,
                    help="seconds a client has to send a request's head; slower connections are closed")
     p.add_argument("--body-timeout", type=float, default=d["body_timeout"].default,
