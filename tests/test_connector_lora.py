@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from kvstore_fixtures import start_kvstore
 from procs import ENGINE_ARGS, Proc, start_vllm_server
@@ -38,6 +36,7 @@ GPU_ENGINE_ARGS = ("--max-model-len", "4096", "--max-num-seqs", "8", "--enforce-
 
 
 def _on_gpu() -> bool:
+    """GPU vLLM on a CUDA host (torch is imported here, not at collection: the fast tier collects this module)."""
     if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
         return False
     import torch
@@ -45,11 +44,11 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-ON_GPU = _on_gpu()
-
-
 def _write_adapter(folder: Path, model_dir: Path, seed: int) -> Path:
     """A PEFT LoRA adapter with random (not zero) weights on every layer's o_proj."""
+    import torch
+    from safetensors.torch import save_file
+
     cfg = json.loads((model_dir / "config.json").read_text())
     width = cfg["num_attention_heads"] * cfg.get("v_head_dim", cfg.get("head_dim"))  # o_proj's input
     gen = torch.Generator().manual_seed(seed)
@@ -69,18 +68,19 @@ def _write_adapter(folder: Path, model_dir: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proc]:
-    model: Path = request.getfixturevalue("tiny_deepseek_v3" if ON_GPU else "tiny_gemma3")
+    on_gpu = _on_gpu()
+    model: Path = request.getfixturevalue("tiny_deepseek_v3" if on_gpu else "tiny_gemma3")
     folder = tmp_path_factory.mktemp("adapters")
     adapters = [f"{name}={_write_adapter(folder / name, model, seed)}" for name, seed in (("a", 1), ("b", 2))]
     # Gemma-3's sliding-window layers need the retention interval (vLLM 0.32, the CPU build)
-    own = () if ON_GPU else ("--prefix-cache-retention-interval", str(CHUNK))
+    own = () if on_gpu else ("--prefix-cache-retention-interval", str(CHUNK))
     store = start_kvstore(l1_size_gb=0.2)
     try:
         proc = start_vllm_server(model, extra_args=[
             *connector_args("kv_both", store.url), *own,
             "--enable-lora", "--max-lora-rank", str(RANK), "--lora-modules", *adapters,
         ], env={"VLLM_SERVER_DEV_MODE": "1"},  # for /reset_prefix_cache
-            engine_args=GPU_ENGINE_ARGS if ON_GPU else ENGINE_ARGS)
+            engine_args=GPU_ENGINE_ARGS if on_gpu else ENGINE_ARGS)
     except BaseException:
         store.stop()
         raise
