@@ -16,6 +16,7 @@ from typing import Iterator
 import pytest
 
 import compose_fixtures
+from kvstore_fixtures import KVStoreProc, start_kvstore
 from pdserve.deploy.cli import main as pdserve_main
 from procs import redis_url as _redis_url
 from procs import start_redis
@@ -105,6 +106,16 @@ def redis_url() -> Iterator[str]:
     proc = start_redis()
     try:
         yield _redis_url(proc)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[KVStoreProc]:
+    """A KV store on free ports for one test module (a module with other needs defines its own `store`)."""
+    proc = start_kvstore()
+    try:
+        yield proc
     finally:
         proc.stop()
 

@@ -7,11 +7,11 @@ fields vLLM's `Request` has (the engine test of adapters is tests/test_connector
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from kvstore_fixtures import KVStoreProc, start_kvstore
+from kvstore_fixtures import KVStoreProc
 from pdserve.kvstore.client.client import KVStoreClient
 from pdserve.kvstore.client.keys import adapter_identity, chunk_keys
 
@@ -20,15 +20,6 @@ pytestmark = pytest.mark.slow  # the scheduler side imports vLLM
 CHUNK = 16
 BLOCK = 16
 PROMPT = list(range(100, 100 + 3 * CHUNK + 5))  # three whole chunks and a tail
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[KVStoreProc]:
-    proc = start_kvstore()
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 def _sched(store: KVStoreProc) -> Any:

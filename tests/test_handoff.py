@@ -4,7 +4,6 @@ real store until the producer's upload lands (or is cancelled, or gives up)."""
 from __future__ import annotations
 
 import threading
-from typing import Iterator
 
 import pytest
 from kvstore_fixtures import LAYOUT, KVStoreProc, start_kvstore
@@ -13,13 +12,6 @@ from pdserve.kvstore.client.client import KVStoreClient
 from pdserve.kvstore.connector.handoff import HANDOFF_KEY, HandoffWatch, handoff_id, handoff_tail_id
 
 NS = LAYOUT.namespace()
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[KVStoreProc]:
-    srv = start_kvstore()
-    yield srv
-    srv.stop()
 
 
 def test_the_tail_name_binds_handoff_prompt_and_salt() -> None:

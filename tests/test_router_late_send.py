@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 import msgspec
@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore_fixtures import KVStoreProc, start_kvstore
+from kvstore_fixtures import KVStoreProc
 from worker_stubs import listening, worker_app
 from pdserve.kvstore.connector.handoff import HANDOFF_KEY
 from pdserve.router.app import create_app
@@ -92,15 +92,6 @@ class Stubs:
         async with listening(worker_app(self.health, self.models, self.prefill, {"/tokenize": self.tokenize}),
                              worker_app(self.health, self.models, self.decode)) as (prefill, decode):
             yield prefill, decode
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[KVStoreProc]:
-    s = start_kvstore()
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 @dataclass
