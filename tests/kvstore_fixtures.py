@@ -37,11 +37,14 @@ class KVStoreProc:
         return self.proc.stop()
 
 
-def start_kvstore(*flags: str, port: int | None = None, l1_size_gb: float = 0.05) -> KVStoreProc:
-    """A server on free ports with a small L1; ready when /health answers (ZMQ is bound before HTTP)."""
+def start_kvstore(
+    *flags: str, port: int | None = None, l1_size_gb: float = 0.05, wrapper: tuple[str, ...] = ()
+) -> KVStoreProc:
+    """A server on free ports with a small L1; ready when /health answers (ZMQ is bound before HTTP).
+    `wrapper` is a command line the server's is appended to (one that execs it keeps its pid)."""
     port = port or free_port()
     http_port = free_port()
-    argv = pdserve_argv(
+    argv = [*wrapper] + pdserve_argv(
         "kvstore", "--port", str(port), "--http-port", str(http_port), "--l1-size-gb", str(l1_size_gb),
         "--log-level", "WARNING", *flags,
     )

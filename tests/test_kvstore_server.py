@@ -7,6 +7,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import socket
 import threading
 import time
@@ -601,6 +602,38 @@ def test_l2_spill_restart_and_corrupt_file(tmp_path: Path) -> None:
             assert stat(c, "errors_total{code=stale_shm}") == 1  # the old arena was refused once, then remapped
         finally:
             srv.stop()
+
+
+def test_l2_on_a_disk_smaller_than_its_budget_keeps_the_most_recent_spills(tmp_path: Path) -> None:
+    """A full disk (a 2 MiB tmpfs under a 512 MiB budget) evicts the least recent files and goes on
+    spilling, and a refused write leaves no temporary holding space; chunks served are the ones stored."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare(1) to give the store a small disk of its own")
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    small_disk = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+                  'mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"', str(l2))
+    srv = start_kvstore("--l2-path", str(l2), "--l2-size-gb", "0.5", l1_size_gb=4 / 1024, wrapper=small_disk)
+    seen = Path(f"/proc/{srv.proc.pid}/root") / l2.relative_to("/")  # the disk as the store sees it
+    payloads = {k: os.urandom(MIB // 2) for k in keys(40)}  # 20 MiB through a 4 MiB L1 onto a 2 MiB disk
+    try:
+        with KVStoreClient(srv.url, timeout_s=30) as c:
+            order = list(payloads)
+            for i in range(0, len(order), 4):
+                assert all(c.put(NS, [(0, k, payloads[k]) for k in order[i : i + 4]]))
+            assert stat(c, "evictions_total{tier=l1}") >= 28
+            on_disk = {bytes.fromhex(f.name.removesuffix(".kv")) for f in seen.rglob("*.kv")}
+            assert not [f for f in seen.rglob("*") if ".tmp" in f.name]
+            assert 2 <= len(on_disk) == stat(c, "tier_objects{tier=l2}") <= 3
+            assert stat(c, "evictions_total{tier=l2}") >= 25
+            assert stat(c, "errors_total{code=l2_write}") == 0
+            newest = [k for k in order if k in on_disk][-1]  # its promotion spills one more, evicting the oldest
+            assert [bytes(g) for g in c.get(NS, [(0, newest)]) if g is not None] == [payloads[newest]]
+            assert stat(c, "hits_total{tier=l2}") == 1
+            assert not on_disk & set(order[:20])  # the least recent went, not the newest
+    finally:
+        assert srv.stop() == 0
+    assert not l2.exists() or not any(l2.iterdir())  # the store's disk was its own
 
 
 # ------------------------------------------------------------------ bench

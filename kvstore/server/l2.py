@@ -6,11 +6,13 @@ Each file starts with a small header naming the object and its checksum, and the
 payload is verified on every read: a torn, truncated or bit-flipped file is deleted
 and reported as corrupt, never served. The index is rebuilt at start-up from the
 directory tree (names and sizes only; contents are checked when read), oldest
-modification time first, so L2 survives a restart.
+modification time first, so L2 survives a restart. A disk that fills before the
+budget does (a smaller volume, other tenants) makes room by evicting, as the budget would.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 _MAGIC = b"PDKVL2\x00\x01"
 _LEN = struct.Struct("<I")
 _SUFFIX = ".kv"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class L2Meta(msgspec.Struct, array_like=True):
@@ -50,6 +53,7 @@ class L2:
         self._on_evict = on_evict
         self.index: OrderedDict[ChunkId, int] = OrderedDict()  # -> bytes on disk
         self.used_bytes = 0
+        self._told_full = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(L2Meta)
         root.mkdir(parents=True, exist_ok=True)
@@ -98,14 +102,42 @@ class L2:
             return
         path = self._path(cid)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(_MAGIC + _LEN.pack(len(header)) + header)
-            f.write(payload)
-        os.replace(tmp, path)
+        while True:
+            try:
+                self._write_file(path, _MAGIC + _LEN.pack(len(header)) + header, payload)
+                break
+            except OSError as exc:
+                if exc.errno not in _DISK_FULL or not self.index:
+                    raise
+                self._disk_full(total)
         self.index[cid] = total
         self.used_bytes += total
         self._trim()
+
+    @staticmethod
+    def _write_file(path: Path, head: bytes, payload: memoryview) -> None:
+        """Write to a temporary name and rename it into place; a failed write leaves nothing behind
+        (a partial temporary would hold disk space no index counts, until the next start)."""
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(payload)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _disk_full(self, needed: int) -> None:
+        """The disk holds less than the budget: evict the least recent objects worth `needed` bytes, so
+        L2 goes on keeping the most recent spills in the room there is instead of refusing every new one."""
+        if not self._told_full:
+            log.warning("L2 %s: the disk is full at %.1f MiB of its %.1f MiB budget; evicting least recent",
+                        self.root, self.used_bytes / 2**20, self.capacity / 2**20)
+            self._told_full = True
+        freed = 0
+        while freed < needed and self.index:
+            freed += self._evict_oldest()
 
     def read(self, cid: ChunkId, into: Callable[[int], memoryview | None]) -> int | None:
         """Read `cid` into the buffer `into(size)` returns and answer its checksum; None if `into` had no room.
@@ -150,6 +182,11 @@ class L2:
 
     def _trim(self) -> None:
         while self.used_bytes > self.capacity and self.index:
-            cid = next(iter(self.index))
-            self.remove(cid)
-            self._on_evict(cid)
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> int:
+        """Evict the least recent object; answer its bytes on disk."""
+        cid, size = next(iter(self.index.items()))
+        self.remove(cid)
+        self._on_evict(cid)
+        return size
