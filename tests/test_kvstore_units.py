@@ -14,9 +14,11 @@ from pdserve.kvstore.client import checksum as checksum_module
 from pdserve.kvstore.client.checksum import checksum, copy_all
 from pdserve.kvstore.server.config import KVStoreConfig, build_parser, from_args
 from pdserve.kvstore.client.keys import chunk_keys
-from pdserve.kvstore.server.l1 import ALIGN, L1, Allocator, ChunkId, Obj
+from pdserve.kvstore.server.l1 import ALIGN, MIN_SPAN, L1, Allocator, ChunkId, Obj
 from pdserve.kvstore.server.l2 import L2, L2Corrupt
 from pdserve.kvstore.client.shm import Arena
+
+K = MIN_SPAN  # the object size these L1 tests count in
 
 # ------------------------------------------------------------------ protocol
 
@@ -182,44 +184,52 @@ def _fill(l1: L1, cid: ChunkId, size: int, byte: int) -> Obj | None:
 
 def test_l1_evicts_least_recently_used_and_spills() -> None:
     spills = _Spills()
-    l1 = L1(Arena.create(4 * 1024, shared=False), spill=spills)
+    l1 = L1(Arena.create(4 * K, shared=False), spill=spills)
     for i in range(4):
-        assert _fill(l1, ("n", 0, bytes([i])), 1024, i) is not None
+        assert _fill(l1, ("n", 0, bytes([i])), K, i) is not None
     assert l1.get(("n", 0, b"\x00")) is not None  # touch chunk 0: chunk 1 is now the oldest
-    _fill(l1, ("n", 0, b"\x04"), 1024, 4)
+    _fill(l1, ("n", 0, b"\x04"), K, 4)
     assert spills.spilled == [("n", 0, b"\x01")]
     assert l1.get(("n", 0, b"\x01")) is None and l1.get(("n", 0, b"\x00")) is not None
-    assert l1.used_bytes == 4 * 1024 and l1.live_objects == 4
+    assert l1.used_bytes == 4 * K and l1.live_objects == 4
 
 
 def test_l1_leased_objects_are_never_evicted_or_reused() -> None:
-    l1 = L1(Arena.create(2 * 1024, shared=False), spill=_Spills())
-    a = _fill(l1, ("n", 0, b"a"), 1024, 0xAA)
-    b = _fill(l1, ("n", 0, b"b"), 1024, 0xBB)
+    l1 = L1(Arena.create(2 * K, shared=False), spill=_Spills())
+    a = _fill(l1, ("n", 0, b"a"), K, 0xAA)
+    b = _fill(l1, ("n", 0, b"b"), K, 0xBB)
     assert a is not None and b is not None
     a.leases += 1  # a reader holds a
-    assert _fill(l1, ("n", 0, b"c"), 1024, 0xCC) is not None  # evicts b, not a
+    assert _fill(l1, ("n", 0, b"c"), K, 0xCC) is not None  # evicts b, not a
     assert l1.get(("n", 0, b"b")) is None and l1.get(("n", 0, b"a")) is a
-    b2 = l1.allocate(1024)  # a and c fill L1; c is evictable, a is not
+    b2 = l1.allocate(K)  # a and c fill L1; c is evictable, a is not
     assert b2 is not None
-    assert l1.allocate(1024) is None  # only leased objects left: refused, not evicted
+    assert l1.allocate(K) is None  # only leased objects left: refused, not evicted
     l1.remove(("n", 0, b"a"))  # removed while leased: its bytes stay until the lease ends
-    assert bytes(l1.view(a)) == b"\xaa" * 1024
-    assert l1.allocate(1024) is None
+    assert bytes(l1.view(a)) == b"\xaa" * K
+    assert l1.allocate(K) is None
     l1.unlease(a)
-    assert l1.allocate(1024) is not None
-    assert l1.allocate(3 * 1024) is None  # larger than L1
+    assert l1.allocate(K) is not None
+    assert l1.allocate(3 * K) is None  # larger than L1
 
 
 def test_l1_concurrent_insert_keeps_first() -> None:
-    l1 = L1(Arena.create(4096, shared=False), spill=_Spills())
+    l1 = L1(Arena.create(2 * K, shared=False), spill=_Spills())
     first = _fill(l1, ("n", 0, b"k"), 100, 1)
     second = l1.allocate(100)
     assert second is not None
     l1.unlease(second)
     assert l1.insert(("n", 0, b"k"), second) is first
     assert l1.live_objects == 1 and second.dead
-    assert l1._alloc.free_bytes == 4096 - max(ALIGN, 128)
+    assert l1._alloc.free_bytes == 2 * K - MIN_SPAN  # a small object takes a page of the budget
+
+
+def test_l1_small_objects_are_charged_a_page_each() -> None:
+    """Tiny objects cannot grow the index past a page per object (about a tenth of the budget in RSS)."""
+    l1 = L1(Arena.create(16 * K, shared=False), spill=_Spills())
+    for i in range(64):
+        assert _fill(l1, ("n", 0, i.to_bytes(2, "big")), ALIGN, i) is not None
+    assert l1.live_objects == 16 * K // MIN_SPAN and l1.evictions == 64 - l1.live_objects
 
 
 # ------------------------------------------------------------------ shared-memory arena

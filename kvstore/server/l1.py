@@ -16,6 +16,11 @@ from typing import Callable
 from pdserve.kvstore.client.shm import Arena
 
 ALIGN = 64
+# The least arena room an object takes. Each indexed object also costs the process about 400 bytes of
+# index, allocator and lease state outside the arena: charging at least a page bounds that at a tenth of
+# --l1-size-gb, where 64-byte objects let it grow to six times the budget (1M objects in a 64 MiB L1:
+# +450 MiB RSS). KV chunks are far larger; only a broken or hostile client sends objects this small.
+MIN_SPAN = 4096
 ChunkId = tuple[str, int, bytes]  # (namespace, object group, chunk key)
 
 
@@ -108,7 +113,7 @@ class L1:
 
     def allocate(self, size: int) -> Obj | None:
         """A new unindexed object with one lease (its writer), evicting LRU chunks for room; None if all are leased."""
-        span = max(ALIGN, -(-size // ALIGN) * ALIGN)
+        span = max(MIN_SPAN, -(-size // ALIGN) * ALIGN)
         if span > self.capacity:
             return None
         while (offset := self._alloc.alloc(span)) is None:
