@@ -26,6 +26,7 @@ from pdserve.kvstore.client import protocol as p
 from pdserve.bench.kvstore_throughput import main as bench_main
 from pdserve.kvstore.client.client import AsyncKVStoreClient, KVStoreClient, KVStoreError
 from pdserve.kvstore.server.http import IDLE_TIMEOUT_S
+from pdserve.kvstore.server.store import MAX_NAMESPACES
 from pdserve.kvstore.server.main import main as server_main
 from pdserve.kvstore.client.shm import Arena
 
@@ -73,6 +74,22 @@ def test_namespaces_are_isolated(server: KVStoreProc) -> None:
         with pytest.raises(KVStoreError, match="hashes to namespace") as err:
             c.register_layout(other, namespace=ns_a)
         assert err.value.code == "conflict"
+
+
+def test_made_up_layouts_cannot_grow_the_store_without_bound() -> None:
+    """Past MAX_NAMESPACES layouts a new one is refused with a clear error; known ones still register."""
+    srv = start_kvstore()
+    try:
+        with KVStoreClient(srv.url) as c:
+            models = [f"made-up-{i}" for i in range(MAX_NAMESPACES)]
+            for model in models:
+                c.register_layout(LAYOUT.__class__(model=model, groups=LAYOUT.groups))
+            with pytest.raises(KVStoreError, match="namespaces are registered already") as err:
+                c.register_layout(LAYOUT)
+            assert err.value.code == "no_room"
+            assert c.register_layout(LAYOUT.__class__(model=models[0], groups=LAYOUT.groups))
+    finally:
+        srv.stop()
 
 
 def test_http_health_metrics_stats(server: KVStoreProc) -> None:
@@ -360,10 +377,11 @@ def header(msg: msgspec.Struct, req_id: int = 5) -> bytes:
         ([header(p.Commit(leases=[1, 2], checksums=[1]))], "2 leases but 1 checksums"),
         ([header(p.Await(ns=NS, items=[p.ItemRef(0, b"k")], wait_ms=p.MAX_WAIT_MS + 1))], "out of range"),
         ([header(p.Await(ns=NS, items=[p.ItemRef(0, b"k")], tail_id="a b", wait_ms=10))], "invalid request id"),
+        ([header(p.PutTail(ns=NS, request_id="r1", items=[]))], "lists no objects"),
     ],
     ids=["garbage", "unknown-op", "wrong-type", "truncated", "size-mismatch", "path-namespace",
          "group-range", "no-groups", "empty-key", "too-many-items", "commit-mismatch", "await-too-long",
-         "await-bad-tail"],
+         "await-bad-tail", "empty-tail"],
 )
 def test_bad_messages_get_error_replies(server: KVStoreProc, frames: list[bytes], message: str) -> None:
     sock = raw_socket(server)

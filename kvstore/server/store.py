@@ -33,6 +33,9 @@ MAX_TAIL_TTL_S = 3600.0
 # on another engine after the first one loaded the tail (and died) asks for a tail nobody will write again.
 GONE_TAIL_KEEP_S = 600.0  # as long as the longest handoff wait (the connector's MAX_HANDOFF_WAIT_S)
 GONE_TAILS_MAX = 65536
+# Distinct layouts registered: one per model and parallel layout in use, a few in any real deployment;
+# the cap keeps a client registering made-up layouts from growing the store without bound.
+MAX_NAMESPACES = 1024
 
 
 class Conflict(ValueError):
@@ -118,6 +121,8 @@ class Store:
                 f"layout of model {layout.model!r} hashes to namespace {ns}, not {namespace}: "
                 "the claimed namespace belongs to a different model, KV layout or parallel layout"
             )
+        if ns not in self.layouts and len(self.layouts) >= MAX_NAMESPACES:
+            raise NoRoom(f"{MAX_NAMESPACES} namespaces are registered already: no room for another layout")
         known = self.layouts.setdefault(ns, layout)
         if known != layout:
             raise Conflict(f"namespace {ns} is already registered with a different layout")
@@ -375,6 +380,8 @@ class Store:
         p.check_namespace(ns)
         p.check_request_id(request_id)
         p.check_items(len(items))
+        if not items:  # it would hold nothing, yet live for its TTL
+            raise p.BadRequest("a tail lists no objects")
         groups = [it.group for it in items]
         for g in groups:
             p.check_group(g)
