@@ -21,7 +21,7 @@ from pdserve.worker import supervisor as worker
 from pdserve.kvstore.connector import vllm_release
 
 # Releases whose connector code we read: which family each one has.
-KNOWN_FAMILIES = {(0, 23): "old", (0, 26): "old", (0, 27): "old", (0, 32): "new"}
+KNOWN_FAMILIES = {(0, 23): "old", (0, 26): "old", (0, 27): "old", (0, 32): "new", (0, 34): "new"}
 
 
 # ---------------------------------------------------------------- release range
@@ -35,20 +35,20 @@ def test_parse_minor(version: str, minor: tuple[int, int] | None) -> None:
     assert vllm_release.parse_minor(version) == minor
 
 
-@pytest.mark.parametrize("version", ["0.23.0", "0.26.3", "0.27.0", "0.32.0+cpu", "0.33.9"])
+@pytest.mark.parametrize("version", ["0.23.0", "0.26.3", "0.27.0", "0.32.0+cpu", "0.33.9", "0.34.0"])
 def test_versions_in_range_are_accepted(version: str) -> None:
     assert vllm_release.unsupported_reason(version) is None
 
 
-@pytest.mark.parametrize("version", ["0.22.9", "0.34.0", "1.0.0", "0.9.2"])
+@pytest.mark.parametrize("version", ["0.22.9", "0.35.0", "1.0.0", "0.9.2"])
 def test_versions_out_of_range_are_refused_by_name(version: str) -> None:
     reason = vllm_release.unsupported_reason(version)
-    assert reason == f"vLLM {version} is installed; pdserve supports vLLM 0.23 to 0.33"
+    assert reason == f"vLLM {version} is installed; pdserve supports vLLM 0.23 to 0.34"
 
 
 def test_unreadable_version_is_refused() -> None:
     assert vllm_release.unsupported_reason("not installed") == (
-        "cannot read vLLM's version 'not installed'; pdserve supports vLLM 0.23 to 0.33"
+        "cannot read vLLM's version 'not installed'; pdserve supports vLLM 0.23 to 0.34"
     )
 
 
@@ -68,7 +68,7 @@ def test_worker_refuses_an_unsupported_vllm(role: str, monkeypatch: pytest.Monke
     code = worker.run_worker(role, ["--model", "m", "--kvstore-url", "tcp://127.0.0.1:1"])
     assert code == 2
     assert capsys.readouterr().err.strip() == (
-        f"pdserve {role}: error: vLLM 0.22.0 is installed; pdserve supports vLLM 0.23 to 0.33: "
+        f"pdserve {role}: error: vLLM 0.22.0 is installed; pdserve supports vLLM 0.23 to 0.34: "
         "install a supported vLLM, or pass --no-connector to serve without KV transfer."
     )
 
@@ -79,17 +79,17 @@ def test_worker_loads_the_connector_on_the_installed_vllm() -> None:
 
 
 def test_up_refuses_an_unsupported_vllm(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(local, "installed_version", lambda: "0.34.1")
+    monkeypatch.setattr(local, "installed_version", lambda: "0.35.1")
     with pytest.raises(SystemExit) as exit_info:
         local.parse_up_args(["--model", "m"])
     assert exit_info.value.code == 2
-    assert "error: vLLM 0.34.1 is installed; pdserve supports vLLM 0.23 to 0.33 (or pass --no-connector)" in (
+    assert "error: vLLM 0.35.1 is installed; pdserve supports vLLM 0.23 to 0.34 (or pass --no-connector)" in (
         capsys.readouterr().err
     )
 
 
 def test_up_without_connector_accepts_any_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local, "installed_version", lambda: "0.34.1")
+    monkeypatch.setattr(local, "installed_version", lambda: "0.35.1")
     cfg, _ = local.parse_up_args(["--model", "m", "--no-connector"])
     assert not cfg.connector
 
@@ -106,10 +106,14 @@ def compat() -> ModuleType:
 
 
 def _engine_calls_transfer_results() -> bool:
-    """What the installed engine's model runner calls at the end of a step (independent of vllm_compat)."""
-    from vllm.v1.worker import kv_connector_model_runner_mixin
+    """What the installed engine's model runner calls at the end of a step (independent of vllm_compat):
+    the V1 runner's connector mixin, or where there is no V1 runner (0.34) the V2 runner's."""
+    try:
+        from vllm.v1.worker import kv_connector_model_runner_mixin as runner
+    except ImportError:
+        from vllm.v1.worker.gpu import kv_connector as runner
 
-    source = inspect.getsource(kv_connector_model_runner_mixin)
+    source = inspect.getsource(runner)
     calls_new, calls_old = ".get_transfer_results(" in source, ".get_finished(" in source
     assert calls_new != calls_old, "the model runner should call exactly one of the two"
     return calls_new

@@ -247,6 +247,10 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.sched is not None
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request: "Request") -> bool:
+        assert self.sched is not None
+        return self.sched.may_load_async(request)
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self.sched is not None
         self.sched.update_state_after_alloc(request, [list(b) for b in blocks.get_block_ids()], num_external_tokens)

@@ -28,6 +28,7 @@ from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.client.health import StoreDown, health_of
 from pdserve.kvstore.client.keys import adapter_identity, chunk_keys, prompt_digest
 from pdserve.kvstore.connector.handoff import HandoffWatch, handoff_id, handoff_tail_id, handoff_wait
+from pdserve.kvstore.connector import vllm_compat
 from pdserve.kvstore.connector.plan import GroupGeometry, TransferJob, plan_objects
 
 log = logging.getLogger("pdserve.connector")
@@ -216,6 +217,14 @@ class SchedulerSide:
             return None, store_id
         return url or self.url, store_id
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether its load may start while the running batch is full (vLLM 0.34+, with
+        --max-num-inflight-kv-loads; vLLM asks as the request is queued, so it must be cheap): P/D decode
+        legs, which carry our params (vLLM's default looks for NIXL's `do_remote_prefill`). A prefix found
+        by lookup is not known this cheaply; it loads when a running slot frees, as without the flag."""
+        params = request.kv_transfer_params
+        return self.loads and isinstance(params, dict) and params.get(PARAMS_TAG) == 1
+
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         state = self._state(request)
         if state.load_issued or not state.by_tokens:
@@ -324,13 +333,14 @@ class SchedulerSide:
             if job:
                 meta.saves.append(job)
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = vllm_compat.resumed_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             state = self.reqs.get(req_id)
             if state is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
-                if req_id in cached.resumed_req_ids:
+                if req_id in resumed:
                     state.block_ids = [list(ids) for ids in new_ids]
                 else:
                     for group, ids in enumerate(new_ids):

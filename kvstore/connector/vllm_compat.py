@@ -1,6 +1,6 @@
 """What differs between the vLLM releases PDServeConnector runs in, found by feature.
 
-Users run the seeds' fork (vLLM 0.23 base), GPU vLLM 0.23-0.26 and the CPU build 0.27-0.33.
+Users run the seeds' fork (vLLM 0.23 base), GPU vLLM 0.23-0.34 and the CPU build 0.27-0.32.
 The connector interface moved in between; each difference is read here from what the
 installed vLLM has, once, so the connector itself is written against one shape:
 
@@ -13,6 +13,9 @@ installed vLLM has, once, so the connector itself is written against one shape:
 - Hit-source accounting (`CacheHitSource`): newer only.
 - `--prefix-cache-retention-interval`: upstream vLLM 0.32+ and the seeds' fork; absent in
   stock 0.23-0.27 (there the sliding-window retention check has nothing to check).
+- Resumed requests. Up to 0.33 a request resumed after preemption comes back among the
+  step's cached requests, named in `resumed_req_ids`, with its whole new block list; 0.34
+  re-sends it in full among the new requests and drops that field (`resumed_ids`).
 
 The supported release range lives in `vllm_release` (launchers read it without importing vLLM).
 """
@@ -20,6 +23,7 @@ The supported release range lives in `vllm_release` (launchers read it without i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
@@ -48,6 +52,12 @@ except ImportError:
 def loads_supported(num_kv_groups: int) -> bool:
     """Whether a failed load can be reported to this vLLM for a model with this many groups."""
     return PER_REQUEST_LOAD_FAILURES or num_kv_groups == 1
+
+
+def resumed_ids(cached_reqs: Any) -> Collection[str]:
+    """The step's cached requests whose `new_block_ids` replace their block lists instead of
+    extending them; none on releases that re-send resumed requests as new ones."""
+    return getattr(cached_reqs, "resumed_req_ids", ())
 
 
 def retention_interval(cache_config: Any) -> int | None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-SUPPORTED = ((0, 23), (0, 33))  # oldest and newest minor release, both included
-SUPPORTED_TEXT = "0.23 to 0.33"
+SUPPORTED = ((0, 23), (0, 34))  # oldest and newest minor release, both included
+SUPPORTED_TEXT = "0.23 to 0.34"
 
 
 def installed_version() -> str:
