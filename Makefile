@@ -51,13 +51,15 @@ export LMCACHE_CHECK
 VENV27 := .venv-vllm027
 STAMP27 := $(VENV27)/.pdserve-setup-done
 COMPAT_TESTS := tests/test_vllm_compat.py tests/test_connector_plan.py tests/test_connector_cache.py \
-	tests/test_connector.py tests/test_connector_offline.py tests/test_workers.py
+	tests/test_connector.py tests/test_connector_offline.py tests/test_workers.py tests/test_connector_in_vllm_scheduler.py
 
 $(STAMP27): pyproject.toml
 	$(call venv_with_vllm,$(VENV27),0.27.0)
 
+# Run from outside the checkout: with its root on sys.path, the repository's kernels/ shadows the `kernels`
+# package transformers looks for (0.27's resolves `from kernels import CUDAProperties` to ours and fails).
 test-vllm-compat: $(STAMP27) redis
-	$(VENV27)/bin/python -m pytest -q $(COMPAT_TESTS)
+	cd /tmp && $(CURDIR)/$(VENV27)/bin/python -m pytest -q -p no:cacheprovider $(addprefix $(CURDIR)/,$(COMPAT_TESTS))
 
 redis:
 	@command -v redis-server >/dev/null || (apt-get update -q && apt-get install -y -q redis-server)

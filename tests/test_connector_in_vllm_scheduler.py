@@ -178,10 +178,12 @@ def test_a_prompt_in_the_store_waits_for_its_load_then_runs_past_it(
     out, _ = engine.step(**{outcome: {"L"}})
     assert not out.num_scheduled_tokens  # vLLM takes the report after this step's schedule
     out, _ = engine.step()
+    (started,) = out.scheduled_new_reqs  # where its computation starts
     if outcome == "loaded":
+        assert started.num_computed_tokens == 2 * CHUNK  # past the loaded chunks
         assert out.num_scheduled_tokens == {"L": PROMPT_LEN - 2 * CHUNK}  # only what the store did not hold
     else:
-        assert out.num_scheduled_tokens == {"L": 64}  # recomputed from the start, in token-budget slices
+        assert started.num_computed_tokens == 0  # recomputed from the start
     while engine.scheduler.has_unfinished_requests():
         engine.step()
     assert request.get_finished_reason() is not None and len(request.output_token_ids) == 4

@@ -76,6 +76,27 @@ def test_namespaces_are_isolated(server: KVStoreProc) -> None:
         assert err.value.code == "conflict"
 
 
+def test_clear_drops_one_namespace_in_memory_and_on_disk(tmp_path: Path) -> None:
+    """What a weight update leaves stale goes (L1, L2, tails); another model's KV stays."""
+    srv = start_kvstore("--l2-path", str(tmp_path), "--l2-size-gb", "0.1", l1_size_gb=2 / 1024)
+    other = LAYOUT.__class__(model="another-model", groups=LAYOUT.groups).namespace()
+    try:
+        with KVStoreClient(srv.url, timeout_s=30) as c:
+            mine, theirs = keys(6), keys(2)
+            assert all(c.put(NS, [(0, k, os.urandom(MIB // 2)) for k in mine]))  # 3 MiB through a 2 MiB L1
+            assert all(c.put(other, [(0, k, b"theirs") for k in theirs]))
+            c.put_tail(NS, "req-1", [(0, b"tail")])
+            assert stat(c, "tier_objects{tier=l2}") >= 2
+            assert c.clear(NS) == 6 + 1
+            assert c.lookup(NS, mine[:1], [0]) == 0 and c.get(NS, [(0, k) for k in mine]) == [None] * 6
+            assert c.get_tail(NS, "req-1") is None
+            assert not list((tmp_path / NS).rglob("*.kv"))
+            assert [bytes(g) for g in c.get(other, [(0, k) for k in theirs])] == [b"theirs"] * 2
+            assert c.clear(NS) == 0
+    finally:
+        srv.stop()
+
+
 def test_made_up_layouts_cannot_grow_the_store_without_bound() -> None:
     """Past MAX_NAMESPACES layouts a new one is refused with a clear error; known ones still register."""
     srv = start_kvstore()

@@ -204,6 +204,10 @@ class _Ops:
     def drop_tail(self, ns: str, request_id: str) -> _Op[None]:
         _expect((yield _Send(p.DropTail(ns=ns, request_id=request_id))), p.Ok, self.url)
 
+    def clear(self, ns: str) -> _Op[int]:
+        rep = _expect((yield _Send(p.Clear(ns=ns))), p.Cleared, self.url)
+        return rep.objects
+
     # ------------------------------------------------------------ put
 
     def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> _Op[list[bool]]:
@@ -557,6 +561,10 @@ class KVStoreClient:
 
     def drop_tail(self, ns: str, request_id: str) -> None:
         return self._run(self._ops.drop_tail, ns, request_id)
+
+    def clear(self, ns: str) -> int:
+        """Drop every object and tail of `ns` in the store; how many there were."""
+        return self._run(self._ops.clear, ns)
 
     def await_ready(
         self, ns: str, items: Sequence[tuple[int, bytes]], tail_id: str | None = None, wait_s: float = 0.0

@@ -147,6 +147,13 @@ class DropTail(_Req, tag="drop_tail"):
     request_id: str
 
 
+class Clear(_Req, tag="clear"):
+    """Drop every object and tail of namespace `ns`, in memory and on disk (its KV no longer holds,
+    e.g. the model's weights changed). Other namespaces are untouched."""
+
+    ns: str
+
+
 class Await(_Req, tag="await"):
     """Answer `Ready` once every item (and the tail, if named) is stored, or after `wait_ms`.
 
@@ -180,7 +187,9 @@ class Stats(_Req, tag="stats"):
     pass
 
 
-Request = Union[Info, RegisterLayout, Lookup, Put, PutTail, Commit, Get, GetTail, DropTail, Await, Release, Stats]
+Request = Union[
+    Info, RegisterLayout, Lookup, Put, PutTail, Commit, Get, GetTail, DropTail, Clear, Await, Release, Stats
+]
 
 # ---------------------------------------------------------------- replies
 
@@ -214,6 +223,10 @@ class Ok(_Rep, tag="ok"):
 
 class Registered(_Rep, tag="registered"):
     namespace: str
+
+
+class Cleared(_Rep, tag="cleared"):
+    objects: int  # objects and tails dropped
 
 
 class LookupResult(_Rep, tag="lookup"):
@@ -269,7 +282,9 @@ class StatsReply(_Rep, tag="stats"):
     stats: dict[str, float]
 
 
-Reply = Union[ServerInfo, Error, Ok, Registered, LookupResult, Stored, Reserved, Loaded, TailLoaded, Ready, StatsReply]
+Reply = Union[
+    ServerInfo, Error, Ok, Registered, Cleared, LookupResult, Stored, Reserved, Loaded, TailLoaded, Ready, StatsReply
+]
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

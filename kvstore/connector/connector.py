@@ -247,6 +247,10 @@ class PDServeConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.sched is not None
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def reset_cache(self) -> bool:
+        assert self.sched is not None
+        return self.sched.reset_cache()
+
     def may_load_async(self, request: "Request") -> bool:
         assert self.sched is not None
         return self.sched.may_load_async(request)

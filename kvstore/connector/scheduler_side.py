@@ -217,6 +217,20 @@ class SchedulerSide:
             return None, store_id
         return url or self.url, store_id
 
+    def reset_cache(self) -> bool:
+        """vLLM's reset of external caches (`/reset_prefix_cache?reset_external=true`, and vLLM 0.34's
+        sleep): the store's KV for this model may come from weights that are gone (a weight update), so
+        this namespace is dropped for every engine that shares it. False, which vLLM reports as a failed
+        reset, when the store does not answer."""
+        try:
+            with self.health.guard():
+                dropped = self.client.clear(self.namespace)
+        except (StoreDown, KVStoreError) as exc:
+            log.warning("store reset failed: %s", exc)
+            return False
+        log.info("store reset: %d objects of namespace %s dropped", dropped, self.namespace)
+        return True
+
     def may_load_async(self, request: Any) -> bool:
         """Whether its load may start while the running batch is full (vLLM 0.34+, with
         --max-num-inflight-kv-loads; vLLM asks as the request is queued, so it must be cheap): P/D decode

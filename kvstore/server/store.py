@@ -451,6 +451,22 @@ class Store:
             for obj in tail.objs.values():
                 self.l1.discard(obj)
 
+    def clear(self, ns: str) -> int:
+        """Drop every object and tail of `ns` (L1, L2, tails); answer how many. A leased object's bytes
+        stay until its transfer ends, as for any removal."""
+        p.check_namespace(ns)
+        chunks = [cid for cid in self.l1.index if cid[0] == ns]
+        for cid in chunks:
+            self.l1.remove(cid)
+        spilled = [cid for cid in self.l2.index if cid[0] == ns] if self.l2 is not None else []
+        for cid in spilled:
+            self.l2.remove(cid)  # type: ignore[union-attr]
+        tails = [key for key in self.tails if key[0] == ns]
+        for key in tails:
+            self.drop_tail(*key)
+        self.refresh_gauges()  # at once, not at the next upkeep: whoever cleared may look next
+        return len(chunks) + len(spilled) + len(tails)
+
     def _bury(self, key: TailKey) -> None:
         """Remember that this tail is gone (see GONE_TAIL_KEEP_S)."""
         self.gone_tails[key] = self.clock() + GONE_TAIL_KEEP_S

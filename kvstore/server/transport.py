@@ -180,6 +180,8 @@ class ZmqServer:
             case p.DropTail():
                 store.drop_tail(req.ns, req.request_id)
                 return p.Ok(), None
+            case p.Clear():
+                return p.Cleared(objects=store.clear(req.ns)), None
             case p.Info():
                 return self._info()
             case p.RegisterLayout():
