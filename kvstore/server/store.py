@@ -458,9 +458,11 @@ class Store:
         chunks = [cid for cid in self.l1.index if cid[0] == ns]
         for cid in chunks:
             self.l1.remove(cid)
-        spilled = [cid for cid in self.l2.index if cid[0] == ns] if self.l2 is not None else []
-        for cid in spilled:
-            self.l2.remove(cid)  # type: ignore[union-attr]
+        spilled = []
+        if self.l2 is not None:
+            spilled = [cid for cid in self.l2.index if cid[0] == ns]
+            for cid in spilled:
+                self.l2.remove(cid)
         tails = [key for key in self.tails if key[0] == ns]
         for key in tails:
             self.drop_tail(*key)
