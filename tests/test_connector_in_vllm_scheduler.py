@@ -196,3 +196,29 @@ def test_decode_legs_may_load_while_the_batch_is_full(engine: Engine) -> None:
     leg.kv_transfer_params = {"pdserve": 1, "namespace": engine.connector.sched.namespace}
     plain = engine.add("plain", list(range(40)), max_tokens=2)
     assert engine.connector.may_load_async(leg) and not engine.connector.may_load_async(plain)
+
+
+def test_saves_planned_before_a_reset_are_refused_after_it(engine: Engine, chunk_store: KVStoreProc) -> None:
+    """vLLM's reset of external caches (a weight update) clears the namespace; a save planned before it
+    and still uploading (the worker uploads in the background, and retries while the store blinks)
+    must not put the old KV back. Uploaded here as the worker does, with the job's generation."""
+    rng = random.Random(1)
+    ns = engine.connector.sched.namespace
+
+    def saves_of(rid: str) -> Any:
+        engine.add(rid, [rng.randrange(1000) for _ in range(PROMPT_LEN)], max_tokens=2)
+        jobs: list[Any] = []
+        engine.step(check=lambda out, meta: jobs.extend(j for j in meta.saves if j.req_id == rid))
+        (job,) = jobs  # its first step computes at least its first chunk
+        return job
+
+    before = saves_of("old")
+    assert engine.connector.reset_cache() is True
+    after = saves_of("new")
+    assert before.generation is not None and after.generation not in (None, before.generation)
+    with KVStoreClient(chunk_store.url) as client:
+        def upload(job: Any) -> list[bool]:
+            return client.put(ns, [(o.group, o.key, b"kv") for o in job.objects], job.generation)
+
+        assert before.objects and upload(before) == [False] * len(before.objects)
+        assert after.objects and upload(after) == [True] * len(after.objects)

@@ -77,7 +77,8 @@ def test_namespaces_are_isolated(server: KVStoreProc) -> None:
 
 
 def test_clear_drops_one_namespace_in_memory_and_on_disk(tmp_path: Path) -> None:
-    """What a weight update leaves stale goes (L1, L2, tails); another model's KV stays."""
+    """What a weight update leaves stale goes (L1, L2, tails), and saves planned before it are refused;
+    another model's KV stays."""
     srv = start_kvstore("--l2-path", str(tmp_path), "--l2-size-gb", "0.1", l1_size_gb=2 / 1024)
     other = LAYOUT.__class__(model="another-model", groups=LAYOUT.groups).namespace()
     try:
@@ -87,12 +88,22 @@ def test_clear_drops_one_namespace_in_memory_and_on_disk(tmp_path: Path) -> None
             assert all(c.put(other, [(0, k, b"theirs") for k in theirs]))
             c.put_tail(NS, "req-1", [(0, b"tail")])
             assert stat(c, "tier_objects{tier=l2}") >= 2
-            assert c.clear(NS) == 6 + 1
+            before = c.lookup_with_generation(NS, mine[:1], [0]).generation
+            cleared = c.clear(NS)
+            assert cleared.objects == 6 + 1 and cleared.generation != before
+            assert c.lookup_with_generation(NS, mine[:1], [0]).generation == cleared.generation
             assert c.lookup(NS, mine[:1], [0]) == 0 and c.get(NS, [(0, k) for k in mine]) == [None] * 6
             assert c.get_tail(NS, "req-1") is None
             assert not list((tmp_path / NS).rglob("*.kv"))
             assert [bytes(g) for g in c.get(other, [(0, k) for k in theirs])] == [b"theirs"] * 2
-            assert c.clear(NS) == 0
+            # a save planned before the clear (still uploading when it came) is refused; later ones are not
+            assert c.put(NS, [(0, mine[0], b"stale")], generation=before) == [False]
+            with pytest.raises(KVStoreError, match="was cleared") as err:
+                c.put_tail(NS, "req-2", [(0, b"stale")], generation=before)
+            assert err.value.code == "conflict"
+            assert c.put(NS, [(0, mine[1], b"new")], generation=cleared.generation) == [True]
+            assert c.put(NS, [(0, mine[2], b"unchecked")]) == [True]
+            assert c.clear(NS).objects == 2
     finally:
         srv.stop()
 

@@ -16,6 +16,8 @@ from pdserve.kvstore.server.config import KVStoreConfig, build_parser, from_args
 from pdserve.kvstore.client.keys import chunk_keys
 from pdserve.kvstore.server.l1 import ALIGN, MIN_SPAN, L1, Allocator, ChunkId, Obj
 from pdserve.kvstore.server.l2 import L2, L2Corrupt
+from pdserve.kvstore.server.metrics import Metrics
+from pdserve.kvstore.server.store import Conflict, Store
 from pdserve.kvstore.client.shm import Arena
 
 K = MIN_SPAN  # the object size these L1 tests count in
@@ -230,6 +232,30 @@ def test_l1_small_objects_are_charged_a_page_each() -> None:
     for i in range(64):
         assert _fill(l1, ("n", 0, i.to_bytes(2, "big")), ALIGN, i) is not None
     assert l1.live_objects == 16 * K // MIN_SPAN and l1.evictions == 64 - l1.live_objects
+
+
+def test_a_write_reserved_before_a_clear_is_not_committed() -> None:
+    """The shared-memory put is two messages: a clear between them leaves nothing of the old generation."""
+    store = Store(KVStoreConfig(l1_size_gb=1 / 1024, shm=False), Metrics())
+    ns = LAYOUT.namespace()
+    try:
+        before = store.generation(ns)
+        chunk, tail = store.reserve(ns, [p.ItemMeta(0, b"k", 10)], before), store.reserve_tail(
+            ns, "req-1", [p.TailItem(0, 10)], None, before)
+        leases = [slot.lease for slot in (*chunk.slots, *tail.slots) if slot is not None]
+        assert len(leases) == 2
+        store.clear(ns)
+        assert store.generation(ns) != before
+        assert store.commit(leases, [0, 0]) == ([False, False], ["lease expired or unknown"] * 2)
+        assert not store.lookup(ns, [0], [b"k"]) and store.get_tail(ns, "req-1", shm=False) is None
+        assert store.l1.live_objects == 0
+        refused = store.reserve(ns, [p.ItemMeta(0, b"k", 10)], before)  # planned before the clear
+        assert refused.slots == [None] and refused.stored == [False] and "was cleared" in (refused.errors[0] or "")
+        with pytest.raises(Conflict, match="was cleared"):
+            store.reserve_tail(ns, "req-2", [p.TailItem(0, 10)], None, before)
+        assert store.reserve(ns, [p.ItemMeta(0, b"k", 10)], store.generation(ns)).slots[0] is not None
+    finally:
+        store.close()
 
 
 # ------------------------------------------------------------------ shared-memory arena

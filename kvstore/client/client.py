@@ -194,9 +194,9 @@ class _Ops:
         rep = _expect((yield _Send(p.RegisterLayout(layout=layout, namespace=namespace))), p.Registered, self.url)
         return rep.namespace
 
-    def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> _Op[int]:
+    def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> _Op[p.LookupResult]:
         msg = p.Lookup(ns=ns, groups=list(groups), keys=list(keys))
-        return _expect((yield _Send(msg)), p.LookupResult, self.url).count
+        return _expect((yield _Send(msg)), p.LookupResult, self.url)
 
     def stats(self) -> _Op[dict]:
         return _expect((yield _Send(p.Stats())), p.StatsReply, self.url).stats
@@ -204,13 +204,14 @@ class _Ops:
     def drop_tail(self, ns: str, request_id: str) -> _Op[None]:
         _expect((yield _Send(p.DropTail(ns=ns, request_id=request_id))), p.Ok, self.url)
 
-    def clear(self, ns: str) -> _Op[int]:
-        rep = _expect((yield _Send(p.Clear(ns=ns))), p.Cleared, self.url)
-        return rep.objects
+    def clear(self, ns: str) -> _Op[p.Cleared]:
+        return _expect((yield _Send(p.Clear(ns=ns))), p.Cleared, self.url)
 
     # ------------------------------------------------------------ put
 
-    def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> _Op[list[bool]]:
+    def put(
+        self, ns: str, items: Sequence[tuple[int, bytes, Buffer]], generation: int | None = None
+    ) -> _Op[list[bool]]:
         info = yield from self.info()
         views = [byte_view(buf) for _, _, buf in items]
         stored = [False] * len(items)
@@ -227,7 +228,8 @@ class _Ops:
             for part in p.split_by_bytes(sizes, info.l1_bytes // 4):
                 idx = [send[j] for j in part]
                 metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in idx]
-                reserved = _expect((yield _Send(p.Put(ns=ns, items=metas, shm=self.nonce))), p.Reserved, self.url)
+                msg = p.Put(ns=ns, items=metas, shm=self.nonce, generation=generation)
+                reserved = _expect((yield _Send(msg)), p.Reserved, self.url)
                 _check_len(reserved.slots, metas, self.url)
                 outcome = yield from self._fill([views[i] for i in idx], reserved)
                 for i, ok in zip(idx, outcome):
@@ -238,7 +240,7 @@ class _Ops:
         for part in p.split_by_bytes(sizes, min(info.l1_bytes // 4, p.PIPELINE_BYTES)):
             idx = [send[j] for j in part]
             metas = [p.ItemMeta(items[i][0], items[i][1], len(views[i])) for i in idx]
-            req_id = yield _Send(p.Put(ns=ns, items=metas), [views[i] for i in idx], defer=True)
+            req_id = yield _Send(p.Put(ns=ns, items=metas, generation=generation), [views[i] for i in idx], defer=True)
             in_flight.append((req_id, idx))
             if len(in_flight) == WINDOW:
                 yield from self._collect_stored(*in_flight.popleft(), stored)
@@ -272,7 +274,8 @@ class _Ops:
         return stored
 
     def put_tail(
-        self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None
+        self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None,
+        generation: int | None = None,
     ) -> _Op[None]:
         info = yield from self.info()
         views = [byte_view(buf) for _, buf in items]
@@ -281,13 +284,13 @@ class _Ops:
             raise KVStoreError(f"kvstore {self.url}: tail of {max(too_big)} bytes exceeds L1 ({info.max_object_bytes})")
         metas = [p.TailItem(g, len(v)) for (g, _), v in zip(items, views)]
         if self.arena is not None:
-            msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s, shm=self.nonce)
+            msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s, shm=self.nonce, generation=generation)
             reserved = _expect((yield _Send(msg)), p.Reserved, self.url)
             _check_len(reserved.slots, metas, self.url)
             if not all((yield from self._fill(views, reserved))):
                 raise KVStoreError(f"kvstore {self.url}: tail of request {request_id!r} expired before commit")
             return
-        msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s)
+        msg = p.PutTail(ns=ns, request_id=request_id, items=metas, ttl_s=ttl_s, generation=generation)
         _expect((yield _Send(msg, views)), p.Ok, self.url)
 
     # ------------------------------------------------------------ get
@@ -525,10 +528,16 @@ class KVStoreClient:
         return self._run(self._ops.register_layout, layout, namespace)
 
     def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> int:
+        return self.lookup_with_generation(ns, keys, groups).count
+
+    def lookup_with_generation(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> p.LookupResult:
+        """The lookup's count and the namespace's generation, which puts of what is planned now name."""
         return self._run(self._ops.lookup, ns, keys, groups)
 
-    def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> list[bool]:
-        return self._run(self._ops.put, ns, items)
+    def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]], generation: int | None = None) -> list[bool]:
+        """`generation`: the namespace's, as a lookup reported it when the save was planned; a clear
+        since makes the store refuse the items. None: not checked."""
+        return self._run(self._ops.put, ns, items, generation)
 
     def get(
         self, ns: str, items: Sequence[tuple[int, bytes]], out: Sequence[Buffer] | None = None
@@ -550,9 +559,10 @@ class KVStoreClient:
         return self._run(self._ops.get_tail, ns, request_id, None, visit) is not None
 
     def put_tail(
-        self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None
+        self, ns: str, request_id: str, items: Sequence[tuple[int, Buffer]], ttl_s: float | None = None,
+        generation: int | None = None,
     ) -> None:
-        return self._run(self._ops.put_tail, ns, request_id, items, ttl_s)
+        return self._run(self._ops.put_tail, ns, request_id, items, ttl_s, generation)
 
     def get_tail(
         self, ns: str, request_id: str, out: dict[int, Buffer] | None = None
@@ -562,8 +572,8 @@ class KVStoreClient:
     def drop_tail(self, ns: str, request_id: str) -> None:
         return self._run(self._ops.drop_tail, ns, request_id)
 
-    def clear(self, ns: str) -> int:
-        """Drop every object and tail of `ns` in the store; how many there were."""
+    def clear(self, ns: str) -> p.Cleared:
+        """Drop every object and tail of `ns` in the store: how many there were, and its new generation."""
         return self._run(self._ops.clear, ns)
 
     def await_ready(
@@ -672,7 +682,7 @@ class AsyncKVStoreClient:
         return await self._run(self._ops.register_layout, layout, namespace)
 
     async def lookup(self, ns: str, keys: Sequence[bytes], groups: Sequence[int]) -> int:
-        return await self._run(self._ops.lookup, ns, keys, groups)
+        return (await self._run(self._ops.lookup, ns, keys, groups)).count
 
     async def put(self, ns: str, items: Sequence[tuple[int, bytes, Buffer]]) -> list[bool]:
         return await self._run(self._ops.put, ns, items)

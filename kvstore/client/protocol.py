@@ -113,6 +113,7 @@ class Put(_Req, tag="put"):
     ns: str
     items: list[ItemMeta]
     shm: str = ""  # nonce of the mapped arena; empty: payloads travel as frames
+    generation: int | None = None  # the namespace's generation the save was planned in (see `Clear`)
 
 
 class PutTail(_Req, tag="put_tail"):
@@ -121,6 +122,7 @@ class PutTail(_Req, tag="put_tail"):
     items: list[TailItem]
     ttl_s: float | None = None
     shm: str = ""  # nonce of the mapped arena; empty: payloads travel as frames
+    generation: int | None = None  # as for Put
 
 
 class Commit(_Req, tag="commit"):
@@ -149,7 +151,11 @@ class DropTail(_Req, tag="drop_tail"):
 
 class Clear(_Req, tag="clear"):
     """Drop every object and tail of namespace `ns`, in memory and on disk (its KV no longer holds,
-    e.g. the model's weights changed). Other namespaces are untouched."""
+    e.g. the model's weights changed). Other namespaces are untouched.
+
+    It also advances the namespace's generation (lookups report it). A put that names an older
+    generation was planned before the clear, from KV that may be stale, and is refused: saves upload
+    in the background, so one in flight at the clear would otherwise land after it."""
 
     ns: str
 
@@ -227,10 +233,12 @@ class Registered(_Rep, tag="registered"):
 
 class Cleared(_Rep, tag="cleared"):
     objects: int  # objects and tails dropped
+    generation: int  # the namespace's generation from now on
 
 
 class LookupResult(_Rep, tag="lookup"):
     count: int
+    generation: int = 0  # the namespace's, for the puts of saves planned now
 
 
 class Stored(_Rep, tag="stored"):

@@ -71,6 +71,7 @@ class TransferJob:
     store_url: str | None = None  # loads: the producer's store when it is not our own
     store_id: str | None = None  # loads: the id the producer's store announced (checked before waiting on it)
     handoff: bool = False  # saves: a P/D decode may be waiting for these objects (retried if the store blinks)
+    generation: int | None = None  # saves: the namespace's generation when planned (a clear since refuses them)
 
 
 def plan_objects(

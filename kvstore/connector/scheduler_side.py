@@ -127,6 +127,9 @@ class SchedulerSide:
         self.pending_loads: list[TransferJob] = []
         self.watches: dict[str, HandoffWatch] = {}  # overlapped handoffs held until their KV has landed
         self.wake = threading.Event()  # set when a watch ends
+        # The namespace's generation as the store last reported it (lookups, resets): saves planned now
+        # name it, so one still uploading when a reset clears the namespace is refused, not stored.
+        self.generation: int | None = None
 
     # matching ---------------------------------------------------------------
     def _state(self, request: Any) -> ReqState:
@@ -156,7 +159,9 @@ class SchedulerSide:
             return 0
         try:
             with self.health.guard():
-                return self.client.lookup(self.namespace, keys, self.groups)
+                found = self.client.lookup_with_generation(self.namespace, keys, self.groups)
+            self.generation = found.generation
+            return found.count
         except StoreDown:
             return 0
         except KVStoreError as exc:
@@ -224,11 +229,12 @@ class SchedulerSide:
         reset, when the store does not answer."""
         try:
             with self.health.guard():
-                dropped = self.client.clear(self.namespace)
+                cleared = self.client.clear(self.namespace)
         except (StoreDown, KVStoreError) as exc:
             log.warning("store reset failed: %s", exc)
             return False
-        log.info("store reset: %d objects of namespace %s dropped", dropped, self.namespace)
+        self.generation = cleared.generation
+        log.info("store reset: %d objects of namespace %s dropped", cleared.objects, self.namespace)
         return True
 
     def may_load_async(self, request: Any) -> bool:
@@ -326,7 +332,7 @@ class SchedulerSide:
         state.chunks_saved = max(done, first)
         if needs_tail:
             state.tail_saved, state.tail_id = True, tail_id
-        return TransferJob(req_id, objects, tail_id, handoff=state.remote_decode)
+        return TransferJob(req_id, objects, tail_id, handoff=state.remote_decode, generation=self.generation)
 
     def build_meta(self, scheduler_output: Any) -> StepMeta:
         meta = StepMeta(loads=self.pending_loads, idle=scheduler_output.total_num_scheduled_tokens == 0)

@@ -212,12 +212,12 @@ class WorkerIO:
     def _upload(self, client: KVStoreClient, job: TransferJob, buffers: list[torch.Tensor]) -> None:
         chunks = [(o.group, o.key, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is not None]
         if chunks:
-            stored = client.put(self.namespace, chunks)
+            stored = client.put(self.namespace, chunks, job.generation)
             if not all(stored):
                 log.warning("store refused %d of %d chunks of %s", stored.count(False), len(stored), job.req_id)
         tail = [(o.group, b.numpy()) for o, b in zip(job.objects, buffers) if o.key is None]
         if tail and job.tail_id:
-            client.put_tail(self.namespace, job.tail_id, tail)
+            client.put_tail(self.namespace, job.tail_id, tail, generation=job.generation)
 
     # loads ----------------------------------------------------------------
     def load(self, job: TransferJob) -> None:

@@ -39,7 +39,7 @@ MAX_NAMESPACES = 1024
 
 
 class Conflict(ValueError):
-    """A layout that does not hash to the namespace claimed for it."""
+    """A layout that does not hash to the namespace claimed for it; a tail planned before its namespace was cleared."""
 
 
 class NoRoom(RuntimeError):
@@ -82,6 +82,11 @@ class Store:
         self.l2 = L2(cfg.l2_path, cfg.l2_bytes, on_evict=self._l2_evicted) if cfg.l2_path else None
         self.layouts: dict[str, KVLayout] = {}
         self.tails: dict[TailKey, Tail] = {}
+        # A namespace's generation: how many times it was cleared since the store started. Puts that
+        # name an older one were planned before a clear and are refused (`Clear`). Kept in memory only:
+        # after a restart every namespace is at 0 again and newer generations are accepted, so a handoff
+        # save retried across a restart still lands.
+        self.generations: dict[str, int] = {}
         self.gone_tails: OrderedDict[TailKey, float] = OrderedDict()  # when each is forgotten, oldest first
         self.leases: dict[int, Lease] = {}  # insertion order == deadline order
         self._next_lease = 1
@@ -199,12 +204,23 @@ class Store:
             return None, False, "no room: L1 is full of objects in transfer"
         return obj, True, None
 
+    def generation(self, ns: str) -> int:
+        return self.generations.get(ns, 0)
+
+    def _stale(self, ns: str, generation: int | None) -> str | None:
+        """Why a put planned in `generation` is refused, or None (no generation named: not checked)."""
+        if generation is None or generation >= self.generation(ns):
+            return None
+        return f"namespace {ns} was cleared after this save was planned (generation {generation}, now {self.generation(ns)})"
+
     def put_frames(
-        self, ns: str, items: Sequence[p.ItemMeta], frames: Sequence[memoryview]
+        self, ns: str, items: Sequence[p.ItemMeta], frames: Sequence[memoryview], generation: int | None = None
     ) -> tuple[list[bool], list[str | None]]:
         """Store payloads that arrived as frames (one per item)."""
         self._check_items(ns, items)
         _check_frames(items, frames)
+        if stale := self._stale(ns, generation):
+            return [False] * len(items), [stale] * len(items)
         stored: list[bool] = []
         errors: list[str | None] = []
         for part in p.split_by_bytes([it.size for it in items], self.max_object_bytes // 4):
@@ -224,9 +240,11 @@ class Store:
                 self.metrics.bytes_in["tcp"].inc(obj.size)
         return stored, errors
 
-    def reserve(self, ns: str, items: Sequence[p.ItemMeta]) -> p.Reserved:
+    def reserve(self, ns: str, items: Sequence[p.ItemMeta], generation: int | None = None) -> p.Reserved:
         """First half of a shm put: arena slots under write leases."""
         self._check_items(ns, items)
+        if stale := self._stale(ns, generation):
+            return p.Reserved(slots=[None] * len(items), stored=[False] * len(items), errors=[stale] * len(items))
         slots: list[p.Slot | None] = []
         stored: list[bool] = []
         errors: list[str | None] = []
@@ -375,13 +393,17 @@ class Store:
             raise p.BadRequest(f"tail ttl {ttl_s} s out of range (0, {MAX_TAIL_TTL_S}]")
         return ttl_s
 
-    def _new_tail(self, ns: str, request_id: str, items: Sequence[p.TailItem], ttl_s: float | None) -> Tail:
+    def _new_tail(
+        self, ns: str, request_id: str, items: Sequence[p.TailItem], ttl_s: float | None, generation: int | None
+    ) -> Tail:
         """Allocate every group of a tail (all or nothing) and make it the request's tail."""
         p.check_namespace(ns)
         p.check_request_id(request_id)
         p.check_items(len(items))
         if not items:  # it would hold nothing, yet live for its TTL
             raise p.BadRequest("a tail lists no objects")
+        if stale := self._stale(ns, generation):
+            raise Conflict(stale)
         groups = [it.group for it in items]
         for g in groups:
             p.check_group(g)
@@ -406,18 +428,21 @@ class Store:
         return tail
 
     def put_tail_frames(
-        self, ns: str, request_id: str, items: Sequence[p.TailItem], frames: Sequence[memoryview], ttl_s: float | None
+        self, ns: str, request_id: str, items: Sequence[p.TailItem], frames: Sequence[memoryview], ttl_s: float | None,
+        generation: int | None = None,
     ) -> None:
         _check_frames(items, frames)
-        tail = self._new_tail(ns, request_id, items, ttl_s)
+        tail = self._new_tail(ns, request_id, items, ttl_s, generation)
         objs = [tail.objs[it.group] for it in items]
         for obj, cs in zip(objs, copy_all([self.l1.view(obj) for obj in objs], frames)):
             obj.checksum = cs
             self.l1.unlease(obj)
             self.metrics.bytes_in["tcp"].inc(obj.size)
 
-    def reserve_tail(self, ns: str, request_id: str, items: Sequence[p.TailItem], ttl_s: float | None) -> p.Reserved:
-        tail = self._new_tail(ns, request_id, items, ttl_s)
+    def reserve_tail(
+        self, ns: str, request_id: str, items: Sequence[p.TailItem], ttl_s: float | None, generation: int | None = None
+    ) -> p.Reserved:
+        tail = self._new_tail(ns, request_id, items, ttl_s, generation)
         tail.pending = len(items)
         slots: list[p.Slot | None] = []
         for it in items:
@@ -452,9 +477,19 @@ class Store:
                 self.l1.discard(obj)
 
     def clear(self, ns: str) -> int:
-        """Drop every object and tail of `ns` (L1, L2, tails); answer how many. A leased object's bytes
-        stay until its transfer ends, as for any removal."""
+        """Drop every object and tail of `ns` (L1, L2, tails) and advance its generation; answer how many
+        objects went. A leased object's bytes stay until its transfer ends, as for any removal; a write
+        reserved before the clear is not committed."""
         p.check_namespace(ns)
+        if ns not in self.generations and len(self.generations) >= MAX_NAMESPACES:
+            raise NoRoom(f"{MAX_NAMESPACES} namespaces were cleared already: no room to clear another")
+        self.generations[ns] = self.generation(ns) + 1
+        for lease_id, lease in list(self.leases.items()):
+            target = lease.target
+            if target is not None and (target[0] == ns or (isinstance(target[0], tuple) and target[0][0] == ns)):
+                del self.leases[lease_id]
+                self.l1.unlease(lease.obj)
+                self.l1.discard(lease.obj)
         chunks = [cid for cid in self.l1.index if cid[0] == ns]
         for cid in chunks:
             self.l1.remove(cid)

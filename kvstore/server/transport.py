@@ -170,7 +170,8 @@ class ZmqServer:
             case p.Commit():
                 return self._commit(req, frames)
             case p.Lookup():
-                return p.LookupResult(count=store.lookup(req.ns, req.groups, req.keys)), None
+                count = store.lookup(req.ns, req.groups, req.keys)
+                return p.LookupResult(count=count, generation=store.generation(req.ns)), None
             case p.Await():
                 return self._ready(req), None
             case p.PutTail():
@@ -181,7 +182,7 @@ class ZmqServer:
                 store.drop_tail(req.ns, req.request_id)
                 return p.Ok(), None
             case p.Clear():
-                return p.Cleared(objects=store.clear(req.ns)), None
+                return p.Cleared(objects=store.clear(req.ns), generation=store.generation(req.ns)), None
             case p.Info():
                 return self._info()
             case p.RegisterLayout():
@@ -276,14 +277,14 @@ class ZmqServer:
 
     def _put(self, req: p.Put, frames: list[memoryview]) -> Answer:
         if self._shm(req.shm, frames):
-            return self.store.reserve(req.ns, req.items), None
-        stored, errors = self.store.put_frames(req.ns, req.items, frames)
+            return self.store.reserve(req.ns, req.items, req.generation), None
+        stored, errors = self.store.put_frames(req.ns, req.items, frames, req.generation)
         return p.Stored(stored=stored, errors=errors), None
 
     def _put_tail(self, req: p.PutTail, frames: list[memoryview]) -> Answer:
         if self._shm(req.shm, frames):
-            return self.store.reserve_tail(req.ns, req.request_id, req.items, req.ttl_s), None
-        self.store.put_tail_frames(req.ns, req.request_id, req.items, frames, req.ttl_s)
+            return self.store.reserve_tail(req.ns, req.request_id, req.items, req.ttl_s, req.generation), None
+        self.store.put_tail_frames(req.ns, req.request_id, req.items, frames, req.ttl_s, req.generation)
         return p.Ok(), None
 
     def _commit(self, req: p.Commit, frames: list[memoryview]) -> Answer:
