@@ -94,7 +94,8 @@ def test_clear_drops_one_namespace_in_memory_and_on_disk(tmp_path: Path) -> None
             assert c.lookup_with_generation(NS, mine[:1], [0]).generation == cleared.generation
             assert c.lookup(NS, mine[:1], [0]) == 0 and c.get(NS, [(0, k) for k in mine]) == [None] * 6
             assert c.get_tail(NS, "req-1") is None
-            assert not list((tmp_path / NS).rglob("*.kv"))
+            assert not list((tmp_path / NS).rglob("*.kv"))  # moved aside at once, deleted in the background
+            wait_until(lambda: not list(tmp_path.glob(".trash-*")), "the dropped files to be deleted")
             assert [bytes(g) for g in c.get(other, [(0, k) for k in theirs])] == [b"theirs"] * 2
             # a save planned before the clear (still uploading when it came) is refused; later ones are not
             assert c.put(NS, [(0, mine[0], b"stale")], generation=before) == [False]

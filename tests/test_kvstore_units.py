@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import pytest
@@ -322,6 +324,33 @@ def test_l2_survives_reopen_and_trims_lru(tmp_path: Path) -> None:
     assert reopened.used_bytes <= 3 * 1200 and extra in reopened.index
     assert len(reopened.index) == 3  # the least recently used one was deleted
     assert evicted == [] and len(list(tmp_path.rglob("*.kv"))) == 3
+
+
+def _gone(paths: Callable[[], list[Path]]) -> bool:
+    """Whether the background deletion has removed `paths()` (polled: a wait, not a timing check)."""
+    deadline = time.monotonic() + 30
+    while paths() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not paths()
+
+
+def test_l2_drop_namespace_forgets_at_once_and_deletes_in_the_background(tmp_path: Path) -> None:
+    l2, evicted = _l2(tmp_path)
+    data = b"x" * 100
+    mine, theirs = [("ns1", 0, bytes([i]) * 16) for i in range(3)], ("ns2", 0, b"\x09" * 16)
+    for cid in [*mine, theirs]:
+        l2.write(cid, memoryview(data), checksum(data))
+    assert l2.drop_namespace("ns1") == 3
+    assert list(l2.index) == [theirs] and l2.used_bytes == l2.index[theirs] and evicted == []
+    assert not (tmp_path / "ns1").exists()  # moved aside at once
+    assert _gone(lambda: list(tmp_path.glob(".trash-*")))
+    assert _read(l2, theirs) == data
+    l2.write(mine[0], memoryview(data), checksum(data))  # the namespace goes on in a new folder
+    (tmp_path / ".trash-ns1-0badc0de" / "0").mkdir(parents=True)  # a drop a stop cut short
+    (tmp_path / ".trash-ns1-0badc0de" / "0" / ("ab" * 16 + ".kv")).write_bytes(b"old")
+    reopened, _ = _l2(tmp_path)
+    assert set(reopened.index) == {theirs, mine[0]}
+    assert _gone(lambda: list(tmp_path.glob(".trash-*")))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header"])

@@ -15,7 +15,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
+import shutil
 import struct
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Callable
@@ -32,6 +35,7 @@ _MAGIC = b"PDKVL2\x00\x01"
 _LEN = struct.Struct("<I")
 _SUFFIX = ".kv"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_TRASH = ".trash-"  # a dropped namespace's folder, deleted in the background (never a namespace's name)
 
 
 class L2Meta(msgspec.Struct, array_like=True):
@@ -66,6 +70,9 @@ class L2:
     def _scan(self) -> None:
         found: list[tuple[float, ChunkId, int]] = []
         for ns_dir in self.root.iterdir():
+            if ns_dir.name.startswith(_TRASH):  # a drop the last stop did not finish deleting
+                _delete_in_background(ns_dir)
+                continue
             if not ns_dir.is_dir() or not NAMESPACE_RE.match(ns_dir.name):
                 continue
             for group_dir in ns_dir.iterdir():
@@ -180,6 +187,20 @@ class L2:
             self.used_bytes -= size
             self._path(cid).unlink(missing_ok=True)
 
+    def drop_namespace(self, ns: str) -> int:
+        """Forget every object of `ns` now and delete its files in the background; answer how many.
+        Deleting them in place would hold the store's loop about 25 us a file (40k files: 0.93 s), so
+        a large L2 would stall every client for long enough to be taken for down."""
+        gone = [cid for cid in self.index if cid[0] == ns]
+        for cid in gone:
+            self.used_bytes -= self.index.pop(cid)
+        folder = self.root / ns
+        if folder.is_dir():
+            trash = self.root / f"{_TRASH}{ns}-{secrets.token_hex(4)}"
+            os.rename(folder, trash)  # atomic: writes of the namespace from now on start a new folder
+            _delete_in_background(trash)
+        return len(gone)
+
     def _trim(self) -> None:
         while self.used_bytes > self.capacity and self.index:
             self._evict_oldest()
@@ -190,3 +211,8 @@ class L2:
         self.remove(cid)
         self._on_evict(cid)
         return size
+
+
+def _delete_in_background(folder: Path) -> None:
+    threading.Thread(target=shutil.rmtree, args=(folder,), kwargs={"ignore_errors": True},
+                     name="l2-trash", daemon=True).start()

@@ -493,16 +493,12 @@ class Store:
         chunks = [cid for cid in self.l1.index if cid[0] == ns]
         for cid in chunks:
             self.l1.remove(cid)
-        spilled = []
-        if self.l2 is not None:
-            spilled = [cid for cid in self.l2.index if cid[0] == ns]
-            for cid in spilled:
-                self.l2.remove(cid)
+        spilled = self.l2.drop_namespace(ns) if self.l2 is not None else 0
         tails = [key for key in self.tails if key[0] == ns]
         for key in tails:
             self.drop_tail(*key)
         self.refresh_gauges()  # at once, not at the next upkeep: whoever cleared may look next
-        return len(chunks) + len(spilled) + len(tails)
+        return len(chunks) + spilled + len(tails)
 
     def _bury(self, key: TailKey) -> None:
         """Remember that this tail is gone (see GONE_TAIL_KEEP_S)."""
