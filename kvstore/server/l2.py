@@ -8,6 +8,7 @@ and reported as corrupt, never served. The index is rebuilt at start-up from the
 directory tree (names and sizes only; contents are checked when read), oldest
 modification time first, so L2 survives a restart. A disk that fills before the
 budget does (a smaller volume, other tenants) makes room by evicting, as the budget would.
+A namespace's files dropped by a clear are moved aside at once and deleted in the background.
 """
 
 from __future__ import annotations
