@@ -7,7 +7,6 @@ import json
 import os
 import re
 import resource
-import shutil
 import socket
 import threading
 import time
@@ -658,11 +657,11 @@ def test_l2_spill_restart_and_corrupt_file(tmp_path: Path) -> None:
 def test_l2_on_a_disk_smaller_than_its_budget_keeps_the_most_recent_spills(tmp_path: Path) -> None:
     """A full disk (a 2 MiB tmpfs under a 512 MiB budget) evicts the least recent files and goes on
     spilling, and a refused write leaves no temporary holding space; chunks served are the ones stored."""
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare(1) to give the store a small disk of its own")
     l2 = tmp_path / "l2"
     l2.mkdir()
-    small_disk = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+    # its own mount namespace (util-linux unshare); without root, inside a user namespace of its own
+    user_ns = ("--map-root-user",) if os.geteuid() != 0 else ()
+    small_disk = ("unshare", *user_ns, "--mount", "--propagation", "private", "sh", "-c",
                   'mount -t tmpfs -o size=2m tmpfs "$0" && exec "$@"', str(l2))
     srv = start_kvstore("--l2-path", str(l2), "--l2-size-gb", "0.5", l1_size_gb=4 / 1024, wrapper=small_disk)
     seen = Path(f"/proc/{srv.proc.pid}/root") / l2.relative_to("/")  # the disk as the store sees it
