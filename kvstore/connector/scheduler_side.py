@@ -27,8 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from pdserve.kvstore.client.client import KVStoreClient, KVStoreError
 from pdserve.kvstore.client.health import StoreDown, health_of
 from pdserve.kvstore.client.keys import adapter_identity, chunk_keys, prompt_digest
-from pdserve.kvstore.connector.handoff import HandoffWatch, handoff_id, handoff_tail_id, handoff_wait
 from pdserve.kvstore.connector import vllm_compat
+from pdserve.kvstore.connector.handoff import HandoffWatch, handoff_id, handoff_tail_id, handoff_wait
 from pdserve.kvstore.connector.plan import GroupGeometry, TransferJob, plan_objects
 
 log = logging.getLogger("pdserve.connector")

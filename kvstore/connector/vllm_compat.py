@@ -22,8 +22,8 @@ The supported release range lives in `vllm_release` (launchers read it without i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base

@@ -485,8 +485,7 @@ class Store:
             raise NoRoom(f"{MAX_NAMESPACES} namespaces were cleared already: no room to clear another")
         self.generations[ns] = self.generation(ns) + 1
         for lease_id, lease in list(self.leases.items()):
-            target = lease.target
-            if target is not None and (target[0] == ns or (isinstance(target[0], tuple) and target[0][0] == ns)):
+            if lease.target is not None and _namespace_of(lease.target) == ns:
                 del self.leases[lease_id]
                 self.l1.unlease(lease.obj)
                 self.l1.discard(lease.obj)
@@ -562,3 +561,9 @@ def _check_frames(items: Sequence[p.ItemMeta | p.TailItem], frames: Sequence[mem
     for i, (it, frame) in enumerate(zip(items, frames)):
         if len(frame) != it.size:
             raise p.BadRequest(f"item {i}: header says {it.size} bytes, frame has {len(frame)}")
+
+
+def _namespace_of(target: ChunkId | tuple[TailKey, int]) -> str:
+    """The namespace of a write lease's target: a chunk (ns, group, key) or a tail's group ((ns, request id), group)."""
+    first = target[0]
+    return first[0] if isinstance(first, tuple) else first
