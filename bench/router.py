@@ -8,7 +8,10 @@ both sides. Printed per level: TTFT p50 and p99 of each side, what the router ad
 and p99, requests per second of each side and their ratio, the router's CPU time per
 request (from /proc, so a slower router is told apart from a busier machine), and what the
 router adds to the first request of a new connection (p50), which the steady-state
-figures leave out: each side keeps its connections for the whole level.
+figures leave out: each side keeps its connections for the whole level. Before it starts,
+it measures how often the machine takes a core away from a running process (cpu_stalls.py)
+and prints that under the table with the share of routed requests such stalls would reach:
+where that share is near 1%, the p99 is the machine's.
 
 The load generator is aiohttp in this process, the stub and the router are child processes:
 three processes share the machine, as client, proxy and engine would.
@@ -31,7 +34,7 @@ from typing import Any, AsyncIterator, Sequence
 import aiohttp
 import numpy as np
 
-from pdserve.bench import processes
+from pdserve.bench import cpu_stalls, processes
 from pdserve.bench.router_stub import MODEL
 from pdserve.worker.config import split_passthrough
 
@@ -45,6 +48,7 @@ class RouterBenchConfig:
     tokens: int = 4
     prompt_chars: int = 512
     route: str = "completions"
+    stall_probe_s: float = 3.0  # seconds of cpu_stalls.probe before the run (0: none)
     result: Path | None = None
     router_args: tuple[str, ...] = ()
 
@@ -53,6 +57,8 @@ class RouterBenchConfig:
             raise ValueError("--concurrency values must be at least 1")
         if self.requests < self.rounds or self.rounds < 1 or self.tokens < 1 or self.warmup < 0:
             raise ValueError("--requests must be at least --rounds (>= 1); --tokens at least 1; --warmup >= 0")
+        if self.stall_probe_s < 0:
+            raise ValueError("--stall-probe-s must be >= 0")
         if self.route not in ("completions", "chat"):
             raise ValueError("--route must be completions or chat")
 
@@ -201,6 +207,15 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
               f"{r['new_connection_added_p50_ms']:>20.2f}{r['errors']:>8}")
 
 
+def print_stalls(cores: list[cpu_stalls.CoreStalls], rows: list[dict[str, Any]]) -> None:
+    """The machine's stalls, and per level the share of routed requests they would reach."""
+    print(f"this machine, measured before the run ({cores[0].seconds:.0f} s, a busy loop pinned to each core):")
+    print(cpu_stalls.describe(cores))
+    for r in rows:
+        share = cpu_stalls.share_met(cores, r["router_ttft_p50_ms"] / 1000.0)
+        print(f"c={r['concurrency']}: about {100 * share:.1f}% of routed requests meet such a stall")
+
+
 def run(cfg: RouterBenchConfig) -> list[dict[str, Any]]:
     """Start the stub and a router in front of it, measure every level, stop both."""
     with processes.router_stub(cfg.tokens) as stub_url, \
@@ -224,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=d.tokens, help="token events per answer")
     p.add_argument("--prompt-chars", type=int, default=d.prompt_chars)
     p.add_argument("--route", choices=("completions", "chat"), default=d.route)
+    p.add_argument("--stall-probe-s", type=float, default=d.stall_probe_s,
+                   help="seconds spent first measuring how often the machine takes a core away (0: skip)")
     p.add_argument("--result", type=Path, default=None, help="also write the rows to this JSON file")
     return p
 
@@ -234,7 +251,8 @@ def config_from_args(argv: Sequence[str]) -> RouterBenchConfig:
     a = parser.parse_args(argv)
     try:
         return RouterBenchConfig(levels=tuple(a.concurrency), requests=a.requests, rounds=a.rounds, warmup=a.warmup,
-                                 tokens=a.tokens, prompt_chars=a.prompt_chars, route=a.route, result=a.result,
+                                 tokens=a.tokens, prompt_chars=a.prompt_chars, route=a.route,
+                                 stall_probe_s=a.stall_probe_s, result=a.result,
                                  router_args=tuple(router_args))
     except ValueError as exc:
         parser.error(str(exc))
@@ -242,13 +260,18 @@ def config_from_args(argv: Sequence[str]) -> RouterBenchConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_args(sys.argv[1:] if argv is None else argv)
+    cores = cpu_stalls.probe(cfg.stall_probe_s) if cfg.stall_probe_s else []
     try:
         rows = run(cfg)
     except (RuntimeError, OSError) as exc:
         print(f"pdserve bench router: {exc}", file=sys.stderr)
         return 1
     print_rows(rows)
+    if cores:
+        print_stalls(cores, rows)
     if cfg.result is not None:
-        cfg.result.write_text(json.dumps({"config": {**asdict(cfg), "result": str(cfg.result)}, "rows": rows},
-                                         indent=2) + "\n")
+        stalls = [{"cpu": c.cpu, "per_second": c.per_second, "lost_fraction": c.lost_fraction,
+                   "longest_ms": 1000 * max(c.gaps_s, default=0.0)} for c in cores]
+        cfg.result.write_text(json.dumps({"config": {**asdict(cfg), "result": str(cfg.result)}, "rows": rows,
+                                          "cpu_stalls": stalls}, indent=2) + "\n")
     return 0 if all(r["errors"] == 0 for r in rows) else 1

@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -16,7 +19,7 @@ import aiohttp
 import httpx
 import pytest
 
-from pdserve.bench import processes
+from pdserve.bench import cpu_stalls, processes
 from pdserve.bench.router import RouterBenchConfig, _one, config_from_args, main
 
 
@@ -66,9 +69,11 @@ def test_a_request_that_lost_tokens_is_not_a_sample(stub: str) -> None:
 def test_the_bench_measures_both_sides(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "rows.json"
     code = main(["--concurrency", "1", "4", "--requests", "40", "--warmup", "5", "--route", "chat",
-                 "--result", str(out)])
+                 "--stall-probe-s", "0.3", "--result", str(out)])
     assert code == 0
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    assert [c["cpu"] for c in result["cpu_stalls"]] == sorted(os.sched_getaffinity(0))
+    rows = result["rows"]
     assert [r["concurrency"] for r in rows] == [1, 4]
     for r in rows:
         assert r["errors"] == 0
@@ -77,14 +82,33 @@ def test_the_bench_measures_both_sides(tmp_path: Path, capsys: pytest.CaptureFix
         # a difference of two medians: on a busy machine the router's side may come out no slower
         assert math.isfinite(r["new_connection_added_p50_ms"]), r
         assert r["router_cpu_ms_per_request"] > 0  # the router's process did the work
-    assert "router CPU ms/req" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "router CPU ms/req" in printed and "of routed requests meet such a stall" in printed
+
+
+def test_the_stall_probe_sees_a_core_taken_away() -> None:
+    """A second busy process on one core takes it away from the probe for whole time slices."""
+    cpu = min(os.sched_getaffinity(0))
+    rival = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        cores = {c.cpu: c for c in cpu_stalls.probe(1.0)}
+    finally:
+        rival.kill()
+        rival.wait()
+    taken = cores[cpu]
+    assert taken.per_second > 10 and taken.lost_fraction > 0.2, cpu_stalls.describe([taken])
+    assert cpu_stalls.share_met([taken], 0.0) > 0
+    assert cpu_stalls.share_met([], 1.0) == 0.0
 
 
 def test_router_flags_pass_through_and_bad_ones_fail_clearly(capsys: pytest.CaptureFixture) -> None:
     assert config_from_args(["--", "--max-queue", "5"]).router_args == ("--max-queue", "5")
-    assert main(["--requests", "4", "--warmup", "0", "--concurrency", "1", "--", "--no-such-flag"]) == 1
+    assert main(["--requests", "4", "--warmup", "0", "--concurrency", "1", "--stall-probe-s", "0", "--",
+                 "--no-such-flag"]) == 1
     assert "router" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         config_from_args(["--concurrency", "0"])
     with pytest.raises(ValueError):
         RouterBenchConfig(rounds=0)
+    with pytest.raises(ValueError):
+        RouterBenchConfig(stall_probe_s=-1)
