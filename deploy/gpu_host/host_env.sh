@@ -16,6 +16,9 @@ REPO="${REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
 OUT="${OUT:-/tmp/pdserve-gpu}"
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
+# vllm034_bundle.sh's torch 2.14 runs on the image's cuDNN 9.19 (it was built against 9.24; no model here
+# runs a cuDNN kernel); with the image's own torch the versions match and this changes nothing
+export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1
 export PATH="/tmp/site/bin:$PATH" REPO OUT
 # redis-server from deploy/gpu_host/redis_bundle.sh, when a transfer carried .redis-gpu/: kept in /tmp
 # (a carried folder is gone from the checkout at the next call that does not carry it), on PATH if it runs
