@@ -6,7 +6,7 @@ time pass with no work done. `probe` measures that: one busy loop pinned to each
 at once, records every gap between two turns of the loop longer than `GAP_S`. Nothing else
 should run meanwhile. `pdserve bench router` prints it beside its figures, because a stall
 of the router's core delays every request it holds, and at a few stalls a second that is
-enough to set a p99 (measured on the 2-core CI VM: each core lost the CPU for more than
+enough to set a p99 (measured on the 2-core development VM: each core lost the CPU for more than
 1 ms about twice a second, up to 7 ms at a time, with little of it booked as steal time).
 """
 

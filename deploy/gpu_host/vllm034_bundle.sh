@@ -14,7 +14,8 @@
 # `cutlass.cute` at module level (seen on an H100, 2026-12-07: "No module named 'cutlass'"). Its
 # payload spans nvidia-cutlass-dsl-libs-base, -core (the `cutlass` Python package) and -cu13, under
 # nvidia_cutlass_dsl/dsl_packages, which a .pth adds to sys.path; PYTHONPATH ignores .pth files, so
-# the install line copies that folder's contents into /tmp/site.
+# the install line links that folder's packages into /tmp/site (links, not copies: CuTe DSL finds its
+# runtime library, nvidia_cutlass_dsl/cu13/lib, among the ancestors of its own resolved path).
 #
 # Usage, from the checkout's root (about 10 min here: xz of ~3 GB on 2 cores):
 #     bash deploy/gpu_host/vllm034_bundle.sh
@@ -92,7 +93,7 @@ site=/opt/torch/.venv/lib/python3.12/site-packages  # the image's python (KINDS.
          "&& rm /root/bundle && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir" \
          "--target /tmp/site /root/whl/*.whl && rm -rf /root/whl" \
          "&& for d in $site/nvidia/*; do [ -e /tmp/site/nvidia/\$(basename \$d) ] || ln -s \$d /tmp/site/nvidia/; done" \
-         "&& cp -a /tmp/site/nvidia_cutlass_dsl/dsl_packages/. /tmp/site/" \
+         "&& for d in /tmp/site/nvidia_cutlass_dsl/dsl_packages/*; do ln -sfn \$d /tmp/site/; done" \
          "&& export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 || exit 1"
     echo "# later commands on that host: deploy/gpu_host/session.sh (host_env.sh sets the environment)"
 } | tee "$D/plan.txt"
