@@ -149,9 +149,18 @@ class WorkerResponse:
         self.silent = False
         self.sent_at = self._heard = self._loop.time()
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        return b"".join([chunk async for chunk in self.iter_any()])
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; over `limit` bytes the connection is closed (the worker aborts the request) and
+        ClientPayloadError raised, so a worker that answers without end cannot fill the router's memory."""
+        chunks: list[bytes] = []
+        held = 0
+        async for chunk in self.iter_any():
+            held += len(chunk)
+            if limit is not None and held > limit:
+                self.close()
+                raise aiohttp.ClientPayloadError(f"answer over {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def close(self) -> None:
         """Done with it: before the body's end this closes the connection (the worker aborts the request)."""

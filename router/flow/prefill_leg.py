@@ -63,6 +63,7 @@ def prefill_body(body: dict[str, Any], handoff: str | None = None,
 
 
 _IDS_KEY = b'"prompt_token_ids":['  # as vLLM's server writes it (compact JSON)
+ANSWER_BASE_BYTES = 64 << 20  # a prefill answer's allowance beside its prompt's (answer_limit)
 _CUT = "\x00cut"  # what stands in the answer for the ids cut out of it, until they are put back as bytes
 
 
@@ -107,6 +108,24 @@ def _no_empty_items(raw: bytes) -> bool:
     (numpy: `b",," in raw` took 10 ms at 1M tokens, this 0.7)."""
     commas = np.frombuffer(raw, np.uint8) == ord(",")
     return not (commas[1] or commas[-2] or (commas[1:] & commas[:-1]).any())
+
+
+def answer_limit(prompt_tokens: int) -> int:
+    """The most bytes a prefill answer may take: its prompt's ids (at most 8 bytes a token as JSON), its
+    chunk keys and one token with its logprobs fit many times over. A worker that sends more is broken."""
+    return ANSWER_BASE_BYTES + 32 * max(0, prompt_tokens)
+
+
+def readable_answer(content: bytes) -> dict[str, Any]:
+    """A 200's answer as a JSON object; anything else is the worker's failure (another worker, or decode-only),
+    not the request's: a proxy's HTML page or a broken engine had every request answered 500."""
+    try:
+        data = decode_answer(content)
+    except msgspec.DecodeError as exc:
+        raise aiohttp.ClientPayloadError(f"prefill answer is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise aiohttp.ClientPayloadError(f"prefill answer is a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _ids(data: dict[str, Any]) -> list[int] | msgspec.Raw | None:
@@ -177,8 +196,9 @@ class PrefillLeg:
                         slot.worker.url + PATHS[call.route], data=payload, headers=headers, timeout=self.timeout,
                         work=ctx.prompt_tokens,
                     ) as resp:
-                        status, content = resp.status, await resp.read()
+                        status, content = resp.status, await resp.read(answer_limit(ctx.prompt_tokens))
                     t_answer = time.perf_counter()
+                    data = readable_answer(content) if status == 200 else None
                     timing.ok = status == 200
                 except UPSTREAM_ERRORS as exc:
                     slot.failed(exc)
@@ -195,9 +215,9 @@ class PrefillLeg:
             if status != 200:  # the request's fault: the client gets the worker's error
                 raise UpstreamResponse(status, content)
             self.metrics.leg.labels("prefill").observe(time.perf_counter() - t)
+            assert data is not None  # a 200's answer (readable_answer)
             call.prefill_worker = slot.worker
             call.t_prefill_answer = t_answer
-            data = decode_answer(content)
             params = data.get("kv_transfer_params")
             if isinstance(params, dict):
                 call.kv_params = params
