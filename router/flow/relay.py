@@ -30,6 +30,11 @@ from pdserve.router.upstream import UPSTREAM_ERRORS, describe
 log = logging.getLogger("pdserve.router.flow")
 
 
+# Bytes of a decode stream held before its first token is seen; past this they are relayed as they are (a
+# prompt echoed whole can be megabytes in one event; nothing else comes near)
+PENDING_MAX = 16 << 20
+
+
 def _carries_token(route: Route, choice: Any) -> bool:
     """True when a stream choice reports generated tokens, even ones whose text is still empty.
 
@@ -49,7 +54,7 @@ def _carries_token(route: Route, choice: Any) -> bool:
     return "role" not in delta or any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls"))
 
 
-def _has_token(route: Route, buf: bytes) -> bool:
+def _has_token(route: Route, buf: bytes | bytearray) -> bool:
     """True once the SSE bytes hold an event that carries output (or ends the stream)."""
     for event in buf.split(b"\n\n")[:-1]:  # the last piece is incomplete
         for line in event.split(b"\n"):
@@ -117,7 +122,12 @@ class Relay:
         relayed_done = False  # the client has had the stream's last event
         try:
             while True:
-                pending = b""
+                # What came before the first token, and how much of it is whole events that carried none: each
+                # chunk's new events are read once (reading it all again at every chunk, and copying it into
+                # new bytes, was quadratic: a worker that sent 64 MiB before an event's end took 14 s of the
+                # router's CPU, holding every stream on it). Past PENDING_MAX it is relayed as it is.
+                pending = bytearray()
+                scanned = 0
                 t_last = 0.0
                 try:
                     async for chunk in leg.resp.content.iter_any():
@@ -129,17 +139,20 @@ class Relay:
                             yield chunk
                             continue
                         pending += chunk
-                        if _has_token(call.route, pending):
+                        end = pending.rfind(b"\n\n", max(scanned, len(pending) - len(chunk) - 1)) + 2
+                        found = end > 1 and _has_token(call.route, pending[scanned:end])
+                        scanned = max(scanned, end)
+                        if found or len(pending) > PENDING_MAX:
                             first, t_last = True, now
                             if call.producer_watch is not None:  # from here a lost producer no longer matters
                                 call.producer_watch.stop()
                             relayed_done = b"data: [DONE]" in pending
                             try:
-                                yield pending  # resumes once the server has sent it on
+                                yield bytes(pending)  # resumes once the server has sent it on
                             finally:  # also when the client, having it all, hangs up here
                                 self._observe_first_token(call, leg, now, time.perf_counter() - now)
                     if pending and not first:
-                        yield pending  # a stream without any token (e.g. max_tokens=0): relay as is
+                        yield bytes(pending)  # a stream without any token (e.g. max_tokens=0): relay as is
                     leg.slot.answered()
                     call.finished = True
                     outcome = "200"
