@@ -8,16 +8,17 @@
 # CUDA libraries are the host's (cuda-toolkit 13.0.2 against a pin of 13.0.3, cuDNN 9.19 against
 # 9.24: the install line links them into /tmp/site/nvidia and sets PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK,
 # as no model here runs a cuDNN kernel). vLLM's light dependencies are resolved by pip from its own
-# metadata; its heavy optional ones stay behind (flashinfer, tilelang, quack, humming, tokenspeed,
-# torchcodec, PyNvVideoCodec, fastsafetensors, instanttensor, cudnn-frontend), as in the 0.26 bundle.
-# CuTe DSL travels: 0.34's engine imports MiniMax-M3's sparse attention ops at start, and they import
-# `cutlass.cute` at module level (seen on an H100, 2026-12-07: "No module named 'cutlass'"). Its
+# metadata; its heavy optional ones stay behind (flashinfer, tilelang, humming, tokenspeed, torchcodec,
+# PyNvVideoCodec, fastsafetensors, instanttensor, cudnn-frontend), as in the 0.26 bundle.
+# CuTe DSL and quack-kernels travel: 0.34's engine imports MiniMax-M3's sparse attention ops at start,
+# and they import `cutlass.cute` and `quack.compile_utils` at module level (seen on an H100, 2026-12-07:
+# "No module named 'cutlass'"; quack is next in the same module, read in the wheel). CuTe DSL's
 # payload spans nvidia-cutlass-dsl-libs-base, -core (the `cutlass` Python package) and -cu13, under
 # nvidia_cutlass_dsl/dsl_packages, which a .pth adds to sys.path; PYTHONPATH ignores .pth files, so
 # the install line links that folder's packages into /tmp/site (links, not copies: CuTe DSL finds its
 # runtime library, nvidia_cutlass_dsl/cu13/lib, among the ancestors of its own resolved path).
 #
-# Usage, from the checkout's root (about 10 min here: xz of ~3 GB on 2 cores):
+# Usage, from the checkout's root (10-16 min here: xz of ~3.3 GB on 2 cores; 18 parts):
 #     bash deploy/gpu_host/vllm034_bundle.sh
 # then send .gpu034/pNN one per transfer to one warm host (back to back), and run the install line
 # that .gpu034/plan.txt prints in the last one. Seen on 2026-12-07 with the parts of this recipe less
@@ -36,7 +37,7 @@ get() { python3 -m pip download -q --no-deps "${plat[@]}" -d "$D/wheels" "$@" 2>
 
 get vllm==0.34.0 torch==2.14.0 triton==3.8.0 torchvision==0.29.0 nvidia-nccl-cu13==2.32.6 redis==8.1.0 \
     nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-core==4.8.0 \
-    nvidia-cutlass-dsl-libs-cu13==4.8.0
+    nvidia-cutlass-dsl-libs-cu13==4.8.0 quack-kernels==0.6.5
 
 # vLLM's own requirements less the torch stack, the heavy optional kernels and what the image has; the
 # s390x-only pins go, and the other markers (all true on the host: x86_64, Linux, Python 3.12)
