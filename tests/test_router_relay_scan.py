@@ -5,6 +5,7 @@ the router's loop for 14 s of CPU), and past PENDING_MAX it relays what it holds
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 import httpx
@@ -26,6 +27,7 @@ class Decode:
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
+        self.pause_s = 0.0  # between writes, so that the router reads them apart
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -33,6 +35,7 @@ class Decode:
         await resp.prepare(request)
         for chunk in self.chunks:
             await resp.write(chunk)
+            await asyncio.sleep(self.pause_s)
         return resp
 
 
@@ -63,6 +66,25 @@ async def test_events_split_anywhere_are_relayed_whole(routed: tuple[Decode, htt
     cut = len(ROLE) + len(TOKEN) - 1
     stub.chunks = [ROLE[:10], ROLE[10:] + TOKEN[:5], stream[len(ROLE) + 5:cut], stream[cut:]]
     assert await _chat(client) == stream
+
+
+async def test_a_first_event_that_ends_in_a_later_chunk_is_read_from_its_start(
+        routed: tuple[Decode, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token's event opens the stream and ends in the next chunk: the relay reads it from its first byte
+    (it once marked one byte of a chunk with no event's end as read, so `data:` lost its `d` and the event
+    its token)."""
+    stub, client = routed
+    read: list[bytes] = []
+    has_token = relay._has_token
+
+    def recording(route: str, buf: bytes) -> bool:
+        read.append(bytes(buf))
+        return has_token(route, buf)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(relay, "_has_token", recording)
+    stub.chunks, stub.pause_s = [TOKEN[:20], TOKEN[20:], DONE], 0.1
+    assert await _chat(client) == TOKEN + DONE
+    assert read and read[0].startswith(TOKEN)
 
 
 async def test_each_byte_before_the_first_token_is_read_once(routed: tuple[Decode, httpx.AsyncClient],

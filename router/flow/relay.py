@@ -139,9 +139,11 @@ class Relay:
                             yield chunk
                             continue
                         pending += chunk
-                        end = pending.rfind(b"\n\n", max(scanned, len(pending) - len(chunk) - 1)) + 2
-                        found = end > 1 and _has_token(call.route, pending[scanned:end])
-                        scanned = max(scanned, end)
+                        found = False
+                        end = pending.rfind(b"\n\n", max(scanned, len(pending) - len(chunk) - 1))
+                        if end >= 0:  # new whole events: read them
+                            found = _has_token(call.route, pending[scanned:end + 2])
+                            scanned = end + 2
                         if found or len(pending) > PENDING_MAX:
                             first, t_last = True, now
                             if call.producer_watch is not None:  # from here a lost producer no longer matters
