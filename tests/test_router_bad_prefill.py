@@ -10,10 +10,8 @@ from typing import AsyncIterator
 import httpx
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
-from worker_stubs import healthy, listening, serves_stub, worker_app
-from pdserve.router.app import create_app
+from worker_stubs import healthy, listening, metric, router_client, serves_stub, worker_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.flow import prefill_leg
 
@@ -58,17 +56,8 @@ async def routed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[BrokenP
                          worker_app(healthy, serves_stub, decode)) as (prefill_url, decode_url):
         cfg = RouterConfig(prefill_urls=(prefill_url,), decode_urls=(decode_url,), pd_min_prompt_tokens=0,
                            pd_queue_aware=False, pd_first_token=False, pd_overlap=False, health_interval=600.0)
-        app = create_app(cfg)
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
-                                         timeout=60) as client:
-                yield broken, client
-
-
-async def _metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
-    text = (await client.get("/metrics")).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        async with router_client(cfg) as client:
+            yield broken, client
 
 
 @pytest.mark.parametrize("body", [b"<html>a proxy's page</html>", b"[1,2,3]", b'"text"', b'{"choices":'])
@@ -80,8 +69,8 @@ async def test_an_unreadable_answer_is_the_workers_failure(routed: tuple[BrokenP
         r = await client.post("/v1/completions", json={"model": "stub", "prompt": "a b c d", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == " fine", r.text
         assert broken.legs == n  # it was asked, and its answer not taken
-    assert await _metric(client, "pdserve_router_paths_total", path="decode_only_prefill_failed") == 2
-    assert await _metric(client, "pdserve_router_retries_total", leg="prefill") == 2
+    assert await metric(client, "pdserve_router_paths_total", path="decode_only_prefill_failed") == 2
+    assert await metric(client, "pdserve_router_retries_total", leg="prefill") == 2
 
 
 async def test_an_answer_without_end_is_cut_at_its_limit(routed: tuple[BrokenPrefill, httpx.AsyncClient]) -> None:
@@ -89,7 +78,7 @@ async def test_an_answer_without_end_is_cut_at_its_limit(routed: tuple[BrokenPre
     broken.stream_mib = 3  # three times what the test allows a short prompt's answer
     r = await client.post("/v1/completions", json={"model": "stub", "prompt": "a b c d", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " fine", r.text
-    assert await _metric(client, "pdserve_router_paths_total", path="decode_only_prefill_failed") == 1
+    assert await metric(client, "pdserve_router_paths_total", path="decode_only_prefill_failed") == 1
     assert broken.legs == 1
 
 

@@ -21,10 +21,9 @@ import httpx
 import msgspec
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore_fixtures import KVStoreProc
-from worker_stubs import listening, worker_app
+from worker_stubs import listening, metric, worker_app
 from pdserve.kvstore.connector.handoff import HANDOFF_KEY
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
@@ -101,9 +100,7 @@ class Routed:
 
     async def metric(self, name: str, **labels: str) -> float:
         """A sample of the router's /metrics (0 when absent)."""
-        text = (await self.client.get("/metrics")).text
-        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return await metric(self.client, name, **labels)
 
     def complete(self, words: int, stream: bool = True) -> "asyncio.Future[httpx.Response]":
         body = {"model": "stub", "prompt": " ".join(f"w{i}" for i in range(words)), "max_tokens": 2, "stream": stream}

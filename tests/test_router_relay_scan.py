@@ -12,8 +12,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from worker_stubs import healthy, listening, serves_stub, worker_app
-from pdserve.router.app import create_app
+from worker_stubs import healthy, listening, router_client, serves_stub, worker_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.flow import relay
 
@@ -44,12 +43,8 @@ async def routed() -> AsyncIterator[tuple[Decode, httpx.AsyncClient]]:
     stub = Decode()
     app_ = worker_app(healthy, serves_stub, stub.completions, {"/v1/chat/completions": stub.completions})
     async with listening(app_) as (decode_url,):
-        cfg = RouterConfig(decode_urls=(decode_url,), health_interval=600.0)
-        app = create_app(cfg)
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
-                                         timeout=60) as client:
-                yield stub, client
+        async with router_client(RouterConfig(decode_urls=(decode_url,), health_interval=600.0)) as client:
+            yield stub, client
 
 
 async def _chat(client: httpx.AsyncClient) -> bytes:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator, Awaitable, Callable, Mapping
 
+import httpx
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pool import Pool
@@ -62,3 +65,20 @@ async def listening(*apps: web.Application) -> AsyncIterator[list[str]]:
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def router_client(cfg: RouterConfig) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of an in-process router (its lifespan run) configured by `cfg`."""
+    app = create_app(cfg)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
+                                     timeout=60) as client:
+            yield client
+
+
+async def metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
+    """The sum of a router's /metrics samples named `name` whose labels include `labels` (0 when absent)."""
+    text = (await client.get("/metrics")).text
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -93,7 +93,7 @@ def decode_answer(content: bytes) -> dict[str, Any]:
         begin = start + len(_IDS_KEY) - 1
         end = content.find(b"]", begin) + 1
         raw = content[begin:end]
-        if len(raw) > 2 and not raw[1:-1].translate(None, b"0123456789,") and _no_empty_items(raw):
+        if _int_array(raw):
             data = msgspec.json.decode(content[:begin] + msgspec.json.encode(_CUT) + content[end:])
             if isinstance(data, dict):
                 for holder in _holders(data):
@@ -103,9 +103,12 @@ def decode_answer(content: bytes) -> dict[str, Any]:
     return msgspec.json.decode(content)
 
 
-def _no_empty_items(raw: bytes) -> bool:
-    """Whether an array of digits and commas has a number between every two commas and at its ends
-    (numpy: `b",," in raw` took 10 ms at 1M tokens, this 0.7)."""
+def _int_array(raw: bytes) -> bool:
+    """Whether `raw` (from `[` to `]`) is a non-empty JSON array of integers written compactly: digits and
+    commas only, a number between every two commas and at both ends (1M tokens: 2.6 ms of translate, 0.7 of
+    numpy; `b",," in raw` alone took 10)."""
+    if len(raw) <= 2 or raw[1:-1].translate(None, b"0123456789,"):
+        return False
     commas = np.frombuffer(raw, np.uint8) == ord(",")
     return not (commas[1] or commas[-2] or (commas[1:] & commas[:-1]).any())
 
