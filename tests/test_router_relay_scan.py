@@ -63,12 +63,9 @@ async def test_events_split_anywhere_are_relayed_whole(routed: tuple[Decode, htt
     assert await _chat(client) == stream
 
 
-async def test_a_first_event_that_ends_in_a_later_chunk_is_read_from_its_start(
-        routed: tuple[Decode, httpx.AsyncClient], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The token's event opens the stream and ends in the next chunk: the relay reads it from its first byte
-    (it once marked one byte of a chunk with no event's end as read, so `data:` lost its `d` and the event
-    its token)."""
-    stub, client = routed
+@pytest.fixture
+def inspected(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every buffer the relay inspects for a token, in order."""
     read: list[bytes] = []
     has_token = relay._has_token
 
@@ -77,26 +74,27 @@ async def test_a_first_event_that_ends_in_a_later_chunk_is_read_from_its_start(
         return has_token(route, buf)  # type: ignore[arg-type]
 
     monkeypatch.setattr(relay, "_has_token", recording)
+    return read
+
+
+async def test_a_first_event_that_ends_in_a_later_chunk_is_read_from_its_start(
+        routed: tuple[Decode, httpx.AsyncClient], inspected: list[bytes]) -> None:
+    """The token's event opens the stream and ends in the next chunk: the relay reads it from its first byte
+    (it once marked one byte of a chunk with no event's end as read, so `data:` lost its `d` and the event
+    its token)."""
+    stub, client = routed
     stub.chunks, stub.pause_s = [TOKEN[:20], TOKEN[20:], DONE], 0.1
     assert await _chat(client) == TOKEN + DONE
-    assert read and read[0].startswith(TOKEN)
+    assert inspected and inspected[0].startswith(TOKEN)
 
 
 async def test_each_byte_before_the_first_token_is_read_once(routed: tuple[Decode, httpx.AsyncClient],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+                                                             inspected: list[bytes]) -> None:
     stub, client = routed
-    read: list[int] = []
-    has_token = relay._has_token
-
-    def counting(route: str, buf: bytes) -> bool:
-        read.append(len(buf))
-        return has_token(route, buf)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(relay, "_has_token", counting)
     roles = [ROLE] * 2000  # events without a token, one chunk each, then the token
     stub.chunks = [*roles, TOKEN, DONE]
     assert await _chat(client) == b"".join(stub.chunks)
-    assert sum(read) <= len(b"".join(stub.chunks))  # the old relay read all it held at every read
+    assert sum(map(len, inspected)) <= len(b"".join(stub.chunks))  # the old relay read all it held at every read
 
 
 async def test_a_stream_past_the_cap_is_relayed_as_it_is(routed: tuple[Decode, httpx.AsyncClient],
